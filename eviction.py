@@ -1,0 +1,68 @@
+"""
+The query-agnostic half of NOSA: the ED-DMA eviction head and the eviction policy (METHOD.md §3.2, §4).
+
+Notation:
+  v_j^h   value of token j in KV head h;  H_kv KV heads of dim d
+  c_j     eviction score of token j (one per KV head) = A ⊙ softplus(W_δ · concat_h v_j^h)
+  E[b]    query-agnostic block score = stage-2 max of the stage-1 sub-block means of c
+  F       forced blocks (sinks + window);  C  candidate blocks (causal, not forced)
+  core    the top (k_e - |F|) candidates by E: the part of the selection that obeys the policy
+
+c depends on token j alone, so it is computed once, when the token is written, and never again.
+It plays two roles: an additive logit bias (ED-DMA: logit = q·k/√d + c_j; DMA: + exp(c_j)), which
+is the only path through which A and W_δ receive gradient, and, pooled, the block score E.
+
+The eviction policy. E[b] is final once block b is a candidate (pooling.py), and candidates only
+ever join C (a block leaves the window), so with a fixed core size the core changes only at a block
+boundary, and then only by letting the newcomer compete with the current members: the weakest of
+the two sides is *evicted*, and an evicted block can never come back, because everything that beat
+it stays. `evict` is that rule; `core_blocks` computes the same set from scratch, which is what the
+parallel (training) forward does; tests check that the two agree and that evictions are final.
+"""
+import torch
+import torch.nn.functional as F
+
+import pooling
+
+
+def eviction_score(v, A, W_delta):
+    """c = A ⊙ softplus(W_δ · concat_h v): v (Bz, H_kv, T, d) -> c (Bz, H_kv, T), in fp32."""
+    Bz, H_kv, T, d = v.shape
+    x = v.transpose(1, 2).reshape(Bz, T, H_kv * d)  # concat over heads: (Bz, T, H_kv*d)
+    c = pooling.fp32(A) * F.softplus(pooling.fp32(x) @ pooling.fp32(W_delta).t())  # (Bz, T, H_kv)
+    return c.transpose(1, 2)  # (Bz, H_kv, T)
+
+
+def attention_bias(c, attn):
+    """The per-token logit bias: ED-DMA adds c inside the softmax, DMA adds exp(c)."""
+    return torch.exp(c) if attn == "dma" else c
+
+
+def eviction_block_scores(c_sub, nb, cfg):
+    """E: sub-block means of c (..., M) -> block scores (..., nb)."""
+    return pooling.max_to_blocks(c_sub, nb, cfg)
+
+
+def rank_desc(score, valid):
+    """Rank (0 = best) of every entry along the last dim among the `valid` ones, ordered by score,
+    ties broken towards the larger (more recent) block index; invalid entries get rank n.
+    A strict total order makes top-k deterministic, so training and decoding pick the same blocks."""
+    n = score.shape[-1]
+    s = score.masked_fill(~valid, float("-inf")).flip(-1)  # flip: among equals, later block first
+    order = torch.sort(s, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=score.device).expand_as(order))
+    return rank.flip(-1).masked_fill(~valid, n)
+
+
+def core_blocks(E, cand, n_core):
+    """The core from scratch: the n_core best candidate blocks by E. E (..., nb), cand bool (..., nb)."""
+    return cand & (rank_desc(E, cand) < n_core)
+
+
+def evict(core, E, b_new, n_core):
+    """The eviction policy at one block boundary: block b_new has just left the window and competes
+    with the current core (bool mask over blocks, (nb,)). The best n_core of them stay; the block
+    that drops out (if any) is evicted for good."""
+    members = core.clone()
+    members[b_new] = True
+    return members & (rank_desc(E, members) < n_core)

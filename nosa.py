@@ -1,0 +1,207 @@
+"""
+NOSA: Native and Offloadable Sparse Attention (Huang et al., arXiv 2510.13602). Read METHOD.md first.
+
+Notation (METHOD.md §2):
+  B           KV block size in tokens: the unit of selection, caching and transfer
+  l_c, s_c    sub-block length and stride of the two-stage pooling (pooling.py)
+  n_sink      attention-sink blocks at the start, always selected
+  n_win       sliding-window blocks before the query's own block, always selected
+  F(t)        forced blocks: sinks + window + the query's own block q_t = t // B;  |F| <= n_sink + n_win + 1
+  k           blocks selected per (query token, KV head);  k_q query-aware budget;  k_e = k - k_q
+  Q[t, b]     query-aware block score (pooling.py);  E[b] query-agnostic eviction score (eviction.py)
+  Γ_q(t)      F(t) + the k_q best other causal blocks by Q
+  Γ(t)        Γ_q(t) + the best remaining causal blocks by E, up to k in all
+  H_q, H_kv   query and KV heads, G = H_q / H_kv query heads share one KV head and one selection
+
+Reading of METHOD.md §3.4 followed here: k_q counts *free* query-aware picks beyond F(t) (not the
+authors' "top n_sink + n_win + k_q with F forced", which leaves one fewer free pick).
+
+Locality (METHOD.md §4). Once more than k blocks are causal, Γ(t) always contains F(t) and the
+core (eviction.py): k_e blocks in all. Inside a block the core and F do not change, so
+|Γ(t) ∩ Γ(t-1)| >= k_e. At a block boundary the query's own block is new and cannot have been
+selected at t-1, so there the bound is k_e - 1, or k_e if the new block is counted as already
+there; and it is: it is the tail block being written, which is on the GPU anyway (offload.py).
+So at most k - k_e blocks per (sequence, layer, KV head) cross PCIe per step, whatever Q does.
+The tests check exactly this statement under adversarial scores.
+
+Attention modes (METHOD.md §6), all from the same code:
+  full      all causal tokens, no bias
+  infllmv2  F + the best blocks by Q only, no bias
+  dma       F + the best blocks by E only, bias exp(c)
+  nosa      dual selection, bias c (ED-DMA)
+"""
+import math
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+import eviction
+import pooling
+from pooling import fp32
+
+MODES = ("full", "infllmv2", "dma", "nosa")
+
+
+@dataclass(frozen=True)
+class Config:
+    # Llama-style transformer
+    vocab_size: int = 4096
+    n_layer: int = 4
+    dim: int = 256
+    H_q: int = 8  # query heads
+    H_kv: int = 2  # KV heads
+    head_dim: int = 32  # d
+    hidden_dim: int = 704  # SwiGLU width
+    max_seq_len: int = 4096  # longest sequence (prompt + generation) the model accepts
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    # NOSA
+    attn: str = "nosa"  # one of MODES
+    B: int = 16
+    l_c: int = 8
+    s_c: int = 4
+    n_sink: int = 1
+    n_win: int = 4
+    k: int = 16
+    k_q: int = 4
+
+    def __post_init__(self):
+        def check(ok, msg):
+            if not ok:
+                raise ValueError(f"invalid NOSA config: {msg}")
+
+        check(self.attn in MODES, f"attn={self.attn!r}; choose one of {MODES}")
+        check(min(self.n_layer, self.dim, self.H_q, self.H_kv, self.head_dim, self.hidden_dim, self.vocab_size) > 0,
+              "sizes must be positive")
+        check(self.H_q % self.H_kv == 0, f"H_q={self.H_q} must be a multiple of H_kv={self.H_kv}")
+        check(self.head_dim % 2 == 0, f"head_dim={self.head_dim} must be even for RoPE")
+        check(0 < self.s_c <= self.l_c, f"need 0 < s_c <= l_c (got s_c={self.s_c}, l_c={self.l_c})")
+        check(self.B % self.s_c == 0, f"B={self.B} must be a multiple of s_c={self.s_c}")
+        check(self.n_sink >= 0 and self.n_win >= 0, "n_sink and n_win must be >= 0")
+        check(self.l_c - self.s_c <= self.n_win * self.B,
+              f"sub-blocks reach l_c - s_c = {self.l_c - self.s_c} tokens past a block; the window "
+              f"(n_win*B = {self.n_win * self.B}) must cover that so block scores are final when chosen")
+        check(0 <= self.k_q <= self.k, f"need 0 <= k_q <= k (got k_q={self.k_q}, k={self.k})")
+        check(self.k_e >= self.n_forced,
+              f"k_e = k - k_q = {self.k_e} must hold the {self.n_forced} forced blocks "
+              f"(n_sink + n_win + 1); raise k or lower k_q, n_win, n_sink")
+        check(self.max_seq_len >= self.B, "max_seq_len must hold at least one block")
+
+    @property
+    def k_e(self):  # query-agnostic budget, forced blocks included
+        return self.k - self.k_q
+
+    @property
+    def G(self):  # query heads per KV head
+        return self.H_q // self.H_kv
+
+    @property
+    def n_forced(self):  # |F(t)| once the sequence is longer than k blocks
+        return self.n_sink + self.n_win + 1
+
+    @property
+    def k_q_free(self):  # free query-aware picks beyond F in this attention mode
+        return {"nosa": self.k_q, "infllmv2": self.k - self.n_forced, "dma": 0, "full": 0}[self.attn]
+
+    @classmethod
+    def from_preset(cls, name, **overrides):
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        return replace(cls(**PRESETS[name]), **overrides)
+
+    def to_dict(self):
+        return asdict(self)
+
+
+PRESETS = {
+    # METHOD.md §2 defaults; the transformer has a 1B-scale Llama shape with 16 query heads per KV
+    # head, as the authors' kernels assume (a checkpoint's config.json overrides the shape).
+    "paper": dict(vocab_size=128256, n_layer=16, dim=2048, H_q=32, H_kv=2, head_dim=64, hidden_dim=8192,
+                  max_seq_len=131072, rope_theta=500000.0, B=64, l_c=32, s_c=16, n_sink=1, n_win=16, k=64, k_q=16),
+    # CPU demo: k*B = 256 tokens, so sparsity is active from the first quarter of a 1024-token
+    # training sequence; same ratios as the paper (k_e / k = 0.75).
+    "tiny": dict(),
+}
+
+
+# -----------------------------------------------------------------------------
+# Dual selection
+
+
+def select_blocks(Q, E, q_pos, cfg):
+    """Γ(t) for every query as a block mask.
+
+    Q: (..., T, nb) query-aware scores, E: (..., nb) eviction scores, q_pos: (..., T) positions.
+    Returns a bool mask (..., T, nb): True where block b is selected for the query at q_pos.
+    Not differentiable: top-k and pooling carry no gradient."""
+    nb = Q.shape[-1]
+    b = torch.arange(nb, device=Q.device)
+    q_blk = (q_pos // cfg.B)[..., None]  # (..., T, 1) the query's own block
+    causal = b <= q_blk  # (..., T, nb)
+    forced = causal & ((b < cfg.n_sink) | (b >= q_blk - cfg.n_win))  # F(t)
+    cand = causal & ~forced
+    pick_q = cand & (eviction.rank_desc(Q, cand) < cfg.k_q_free)  # Γ_q(t) \ F(t)
+    rest = cand & ~pick_q
+    n_e = cfg.k - cfg.n_forced - cfg.k_q_free  # E-picks: the core, plus the core members Q already took
+    pick_e = rest & (eviction.rank_desc(E.unsqueeze(-2).expand_as(Q), rest) < n_e)
+    few = causal.sum(-1, keepdim=True) <= cfg.k  # fewer than k causal blocks: take them all
+    return torch.where(few, causal, forced | pick_q | pick_e)
+
+
+def core_mask(E, q_pos, cfg):
+    """The query-agnostic core at each position (..., T, nb): the top k_e - |F| candidates by E.
+    Γ(t) contains it (plus F(t)) whenever more than k blocks are causal; used by the tests."""
+    nb = E.shape[-1]
+    b = torch.arange(nb, device=E.device)
+    q_blk = (q_pos // cfg.B)[..., None]
+    cand = (b >= cfg.n_sink) & (b < q_blk - cfg.n_win)
+    return eviction.core_blocks(E.unsqueeze(-2).expand(*cand.shape), cand, cfg.k_e - cfg.n_forced)
+
+
+# -----------------------------------------------------------------------------
+# Block-sparse attention with a per-token additive bias (torch twin; the reference for kernels)
+
+
+def sparse_attention(q, k, v, bias, block_mask, q_pos, cfg):
+    """o_t = Σ_{j in selected blocks, j <= t} softmax_j(q_t·k_j/√d + bias_j) v_j.
+
+    q: (Bz, H_q, T, d); k, v: (Bz, H_kv, S, d) keys at positions 0..S-1; bias: (Bz, H_kv, S) or None;
+    block_mask: (Bz, H_kv, T, nb) or None (all causal); q_pos: (Bz, T). Returns (Bz, H_q, T, d).
+    Logits, bias and softmax in fp32 (METHOD.md §3.6); the bias is added after the 1/√d scale."""
+    Bz, H_q, T, d = q.shape
+    H_kv, S = k.shape[1], k.shape[2]
+    G = H_q // H_kv
+    qg = q.view(Bz, H_kv, G, T, d)
+    s = torch.einsum("bhgtd,bhsd->bhgts", fp32(qg), fp32(k)) / math.sqrt(d)  # (Bz, H_kv, G, T, S)
+    if bias is not None:
+        s = s + fp32(bias)[:, :, None, None, :]
+    j = torch.arange(S, device=q.device)
+    allowed = (j <= q_pos[..., None])[:, None]  # (Bz, 1, T, S) causal
+    if block_mask is not None:
+        allowed = allowed & block_mask[..., j // cfg.B]  # (Bz, H_kv, T, S)
+    s = s.masked_fill(~allowed[:, :, None], float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    o = torch.einsum("bhgts,bhsd->bhgtd", p, fp32(v))  # (Bz, H_kv, G, T, d)
+    return o.reshape(Bz, H_q, T, d).to(q.dtype)
+
+
+def nosa_attention(q, k, v, c, cfg):
+    """Training / prefill forward of one attention layer over a whole sequence from position 0.
+
+    q: (Bz, H_q, T, d), k, v: (Bz, H_kv, T, d) with RoPE applied, c: (Bz, H_kv, T) eviction scores
+    (None in `full` and `infllmv2` modes). Returns the output (Bz, H_q, T, d) and the block mask."""
+    Bz, _, T, _ = q.shape
+    q_pos = torch.arange(T, device=q.device).expand(Bz, T)
+    if cfg.attn == "full":
+        return sparse_attention(q, k, v, None, None, q_pos, cfg), None
+    with torch.no_grad():
+        nb = pooling.n_blocks(T, cfg)
+        Q = pooling.query_aware_scores(q, pooling.compress_keys(k, cfg), q_pos, nb, cfg)  # (Bz, H_kv, T, nb)
+        if c is None:  # infllmv2: no eviction head, E plays no part
+            E = Q.new_zeros(Bz, cfg.H_kv, nb)
+        else:
+            E = eviction.eviction_block_scores(pooling.pool_mean(c, cfg), nb, cfg)  # (Bz, H_kv, nb)
+        block_mask = select_blocks(Q, E, q_pos[:, None], cfg)
+    bias = None if c is None else eviction.attention_bias(c, cfg.attn)
+    return sparse_attention(q, k, v, bias, block_mask, q_pos, cfg), block_mask

@@ -1,0 +1,149 @@
+"""The model: incremental decoding equals the parallel forward, and gradients are right."""
+import pytest
+import torch
+
+import eviction
+import nosa
+from model import KVCache, Transformer, sample
+from nosa import Config
+
+# k*B = 64 tokens: sequences of 300+ tokens cross many block boundaries with sparsity active
+small = dict(n_layer=2, dim=64, H_q=4, H_kv=2, head_dim=16, hidden_dim=96, vocab_size=97,
+             B=8, l_c=4, s_c=2, n_sink=1, n_win=2, k=8, k_q=2)
+
+
+def make_model(attn, dtype, **kw):
+    cfg = Config.from_preset("tiny", attn=attn, **{**small, **kw})
+    model = Transformer(cfg).to(dtype)
+    for m in model.modules():  # A = 0 at init would make the bias vanish; give it a real value
+        if hasattr(m, "A"):
+            torch.nn.init.normal_(m.A, std=1.0)
+    return model
+
+
+def decode_logits(model, idx, prompt_lens):
+    """Prefill each sequence's prompt, then decode the rest of idx one token per step; returns the
+    logits at every position from the last prompt token on, per sequence."""
+    cache = KVCache(model.cfg, len(prompt_lens), "cpu", model.embed_tokens.weight.dtype)
+    out = [[] for _ in prompt_lens]
+    for i, P in enumerate(prompt_lens):
+        out[i].append(model(idx[i:i + 1, :P], cache, seq=i)[0, -1])
+    for s in range(idx.shape[1] - max(prompt_lens)):
+        logits = model.decode(torch.tensor([idx[i, P + s] for i, P in enumerate(prompt_lens)]), cache)
+        for i in range(len(prompt_lens)):
+            out[i].append(logits[i])
+    return [torch.stack(o) for o in out]
+
+
+@pytest.mark.parametrize("attn", nosa.MODES)
+def test_decode_equals_parallel_fp64(attn):
+    model = make_model(attn, torch.float64)
+    T, prompt_lens = 330, [3, 50]
+    idx = torch.randint(0, 97, (2, T))
+    with torch.no_grad():
+        ref = model(idx)
+        dec = decode_logits(model, idx, prompt_lens)
+    for i, P in enumerate(prompt_lens):
+        n = dec[i].shape[0]
+        torch.testing.assert_close(dec[i], ref[i, P - 1:P - 1 + n], rtol=0, atol=1e-9)
+
+
+def test_decode_equals_parallel_fp32_tiny_preset():
+    model = make_model("nosa", torch.float32, B=16, l_c=8, s_c=4, n_win=4, k=16, k_q=4)
+    idx = torch.randint(0, 97, (1, 600))
+    with torch.no_grad():
+        ref = model(idx)
+        dec = decode_logits(model, idx, [40])[0]
+    torch.testing.assert_close(dec, ref[0, 39:], rtol=1e-4, atol=1e-4)
+
+
+def test_sparsity_is_active():
+    """The parallel forward of a long sequence really selects only k of its blocks."""
+    cfg = Config.from_preset("tiny", **small)
+    T = 300
+    q = torch.randn(1, cfg.H_q, T, cfg.head_dim)
+    k, v = torch.randn(2, 1, cfg.H_kv, T, cfg.head_dim)
+    _, mask = nosa.nosa_attention(q, k, v, torch.randn(1, cfg.H_kv, T), cfg)
+    assert (mask.sum(-1) == torch.clamp(torch.arange(T) // cfg.B + 1, max=cfg.k)).all()
+
+
+def test_sparse_attention_matches_explicit_loop():
+    cfg = Config.from_preset("tiny", **small)
+    Bz, T = 1, 40
+    q = torch.randn(Bz, cfg.H_q, T, cfg.head_dim, dtype=torch.float64)
+    k, v = torch.randn(2, Bz, cfg.H_kv, T, cfg.head_dim, dtype=torch.float64)
+    bias = torch.randn(Bz, cfg.H_kv, T, dtype=torch.float64)
+    mask = torch.rand(Bz, cfg.H_kv, T, 5) < 0.5
+    mask[..., torch.arange(T), torch.arange(T) // cfg.B] = True  # own block
+    o = nosa.sparse_attention(q, k, v, bias, mask, torch.arange(T)[None], cfg)
+    G = cfg.G
+    for h in range(cfg.H_q):
+        hk = h // G
+        for t in range(0, T, 7):
+            js = [j for j in range(t + 1) if mask[0, hk, t, j // cfg.B]]
+            logit = torch.stack([q[0, h, t] @ k[0, hk, j] / cfg.head_dim ** 0.5 + bias[0, hk, j] for j in js])
+            want = (torch.softmax(logit, 0)[:, None] * v[0, hk, js]).sum(0)
+            torch.testing.assert_close(o[0, h, t], want)
+
+
+def test_gradcheck_attention_and_eviction_head():
+    """Analytic gradients match finite differences in float64 on tiny shapes: the attention with
+    bias (dq, dk, dv, dc) and the eviction head (dA, dW_δ, dv)."""
+    cfg = Config.from_preset("tiny", **{**small, "H_q": 4, "H_kv": 2, "head_dim": 4})
+    T = 20
+    mask = torch.rand(1, 2, T, 3) < 0.5
+    mask[..., torch.arange(T), torch.arange(T) // cfg.B] = True
+    pos = torch.arange(T)[None]
+    args = [torch.randn(1, 4, T, 4), torch.randn(1, 2, T, 4), torch.randn(1, 2, T, 4), torch.randn(1, 2, T)]
+    args = [a.double().requires_grad_() for a in args]
+    assert torch.autograd.gradcheck(lambda q, k, v, c: nosa.sparse_attention(q, k, v, c, mask, pos, cfg), args)
+    v = torch.randn(1, 2, T, 4, dtype=torch.float64, requires_grad=True)
+    A = torch.randn(2, dtype=torch.float64, requires_grad=True)
+    W = torch.randn(2, 8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(eviction.eviction_score, (v, A, W))
+
+
+@pytest.mark.parametrize("attn", ["nosa", "dma"])
+def test_model_gradients_reach_eviction_head(attn):
+    model = make_model(attn, torch.float64)
+    idx = torch.randint(0, 97, (1, 120))
+    attn0 = model.layers[0].self_attn
+
+    def loss_fn():
+        logits = model(idx[:, :-1])
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), idx[:, 1:].flatten())
+
+    loss_fn().backward()
+    assert attn0.A.grad.abs().min() > 0 and attn0.delta.weight.grad.abs().max() > 0
+    # finite differences in float64 for A (selection is piecewise constant: a tiny step keeps it)
+    eps = 1e-6
+    for h in range(2):
+        with torch.no_grad():
+            attn0.A[h] += eps
+            up = loss_fn()
+            attn0.A[h] -= 2 * eps
+            down = loss_fn()
+            attn0.A[h] += eps
+        assert abs((up - down).item() / (2 * eps) - attn0.A.grad[h].item()) < 1e-6
+    # with A = 0 (its initial value) W_δ gets no gradient yet, A does: that is how learning starts
+    model.zero_grad()
+    with torch.no_grad():
+        attn0.A.zero_()
+    loss_fn().backward()
+    assert attn0.A.grad.abs().min() > 0 and attn0.delta.weight.grad.abs().max() == 0
+
+
+def test_sampling():
+    logits = torch.randn(4, 50)
+    assert torch.equal(sample(logits), logits.argmax(-1))
+    assert torch.equal(sample(logits, temperature=1.0, top_k=1), logits.argmax(-1))
+    top3 = torch.topk(logits, 3).indices
+    for _ in range(20):
+        s = sample(logits, temperature=2.0, top_k=3)
+        assert (top3 == s[:, None]).any(-1).all()
+
+
+def test_prompt_too_long_raises():
+    model = make_model("nosa", torch.float32, max_seq_len=64)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        model.generate([[1] * 60], max_new_tokens=10)

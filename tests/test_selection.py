@@ -1,0 +1,174 @@
+"""Dual selection and the locality theorem (METHOD.md §3.4, §4), under adversarial scores."""
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import eviction
+import nosa
+import pooling
+from model import SubBlockCache
+from nosa import Config
+
+paper = Config.from_preset("paper")
+
+
+@st.composite
+def configs(draw):
+    """Random valid NOSA configs (the ones that pass Config's checks)."""
+    s_c = draw(st.sampled_from([1, 2, 4]))
+    B = s_c * draw(st.integers(1, 4))
+    l_c = s_c * draw(st.integers(1, 3))
+    n_sink = draw(st.integers(0, 2))
+    n_win = draw(st.integers(1, 3))
+    k_q = draw(st.integers(0, 4))
+    k = n_sink + n_win + 1 + k_q + draw(st.integers(0, 5))
+    try:
+        return Config.from_preset("tiny", B=B, l_c=l_c, s_c=s_c, n_sink=n_sink, n_win=n_win, k=k, k_q=k_q)
+    except ValueError:
+        return Config.from_preset("tiny")
+
+
+def decode_selections(cfg, E, n_steps, strategy, seed):
+    """Run the selection one decode step at a time with query-aware scores chosen by `strategy`:
+    'adversarial' favours blocks *not* selected the step before, 'evicted' favours blocks that left
+    the core, 'random' is noise. E (nb,) is fixed per block, as the eviction head makes it."""
+    g = torch.Generator().manual_seed(seed)
+    nb = E.shape[0]
+    t0 = max(0, (cfg.k - 2) * cfg.B)  # start just before sparsity kicks in
+    prev, evicted, out = torch.zeros(nb, dtype=torch.bool), torch.zeros(nb, dtype=torch.bool), []
+    prev_core = None
+    for t in range(t0, min(t0 + n_steps, nb * cfg.B)):
+        noise = torch.rand(nb, generator=g)
+        if strategy == "adversarial":
+            Q = (~prev).double() + 0.1 * noise
+        elif strategy == "evicted":
+            Q = evicted.double() + 0.1 * noise
+        else:
+            Q = noise.double()
+        sel = nosa.select_blocks(Q[None], E, torch.tensor([t]), cfg)[0]
+        core = nosa.core_mask(E, torch.tensor([t]), cfg)[0]
+        if prev_core is not None:
+            evicted |= prev_core & ~core
+        out.append((t, sel, core))
+        prev, prev_core = sel, core
+    return out
+
+
+def check_locality(cfg, E, steps):
+    prev = None
+    ever_evicted = None
+    for t, sel, core in steps:
+        q_blk = t // cfg.B
+        b = torch.arange(sel.shape[0])
+        n_causal = q_blk + 1
+        assert not sel[b > q_blk].any(), "a block from the future was selected"
+        assert int(sel.sum()) == min(cfg.k, n_causal), "not min(k, causal) blocks"
+        forced = (b <= q_blk) & ((b < cfg.n_sink) | (b >= q_blk - cfg.n_win))
+        assert sel[forced].all(), "a sink or window block is missing"
+        if n_causal > cfg.k:
+            assert sel[core].all(), "the query-agnostic core is not selected"
+            assert int(core.sum()) == cfg.k_e - cfg.n_forced
+        if prev is not None:
+            pt, psel, pcore = prev
+            kept = sel & (psel | (b == q_blk))  # the new tail block counts as resident
+            assert int(kept.sum()) >= min(cfg.k_e, int(sel.sum()))
+            if pt // cfg.B == q_blk:  # inside a block: γ(t) >= k_e / k exactly as stated
+                gamma = int((sel & psel).sum()) / int(sel.sum())
+                assert gamma >= cfg.k_e / cfg.k - 1e-12
+            misses = sel & ~psel & (b != q_blk)  # what crosses PCIe at this step
+            assert int(misses.sum()) <= cfg.k - cfg.k_e
+            if n_causal > cfg.k + 1:
+                ever_evicted = (pcore & ~core) if ever_evicted is None else ever_evicted | (pcore & ~core)
+                assert not (core & ever_evicted).any(), "an evicted block came back into the core"
+                # the eviction policy, applied incrementally, gives the same core
+                if pt // cfg.B != q_blk:
+                    inc = eviction.evict(pcore, E, q_blk - cfg.n_win - 1, cfg.k_e - cfg.n_forced)
+                    assert torch.equal(inc, core)
+                else:
+                    assert torch.equal(pcore, core)
+        prev = (t, sel, core)
+
+
+@settings(max_examples=60, deadline=None)
+@given(cfg=configs(), data=st.data(), strategy=st.sampled_from(["adversarial", "evicted", "random"]))
+def test_locality_random_configs(cfg, data, strategy):
+    nb = cfg.k + 8
+    # few distinct values: many ties, which the order (score, then later block) must break consistently
+    E = torch.tensor(data.draw(st.lists(st.integers(0, 3), min_size=nb, max_size=nb)), dtype=torch.float64)
+    check_locality(cfg, E, decode_selections(cfg, E, 8 * cfg.B, strategy, data.draw(st.integers(0, 2**16))))
+
+
+@settings(max_examples=6, deadline=None)
+@given(data=st.data(), strategy=st.sampled_from(["adversarial", "evicted", "random"]))
+def test_locality_paper_preset(data, strategy):
+    nb = paper.k + 6
+    E = torch.tensor(data.draw(st.lists(st.floats(-2, 2, allow_nan=False), min_size=nb, max_size=nb)),
+                     dtype=torch.float64)
+    check_locality(paper, E, decode_selections(paper, E, 4 * paper.B + 3, strategy, data.draw(st.integers(0, 2**16))))
+
+
+def test_few_blocks_selects_all_and_modes():
+    cfg = Config.from_preset("tiny")
+    Q, E = torch.rand(1, 40), torch.rand(40)
+    for t in (0, 17, cfg.k * cfg.B - 1):
+        assert torch.equal(nosa.select_blocks(Q, E, torch.tensor([t]), cfg)[0], torch.arange(40) <= t // cfg.B)
+    t = torch.tensor([39 * cfg.B])
+    cand = (torch.arange(40) >= cfg.n_sink) & (torch.arange(40) < 39 - cfg.n_win)
+    # infllmv2 fills the budget by Q alone, dma by E alone
+    for attn, score in (("infllmv2", Q[0]), ("dma", E)):
+        sel = nosa.select_blocks(Q, E, t, Config.from_preset("tiny", attn=attn))[0]
+        want = eviction.core_blocks(score, cand, cfg.k - cfg.n_forced)
+        assert torch.equal(sel & cand, want)
+    # nosa: k_q best by Q, then the best of the rest by E
+    sel = nosa.select_blocks(Q, E, t, cfg)[0]
+    pick_q = eviction.core_blocks(Q[0], cand, cfg.k_q)
+    assert torch.equal(sel & cand, pick_q | eviction.core_blocks(E, cand & ~pick_q, cfg.k_e - cfg.n_forced))
+
+
+def test_rank_ties_prefer_recent():
+    r = eviction.rank_desc(torch.tensor([1.0, 2.0, 1.0, 2.0]), torch.tensor([True, True, True, False]))
+    assert r.tolist() == [2, 0, 1, 4]
+
+
+def test_parallel_selection_equals_decode_selection():
+    """The selection of token t in the parallel forward equals that at step t of decoding, which
+    scores from the incrementally pooled caches (ragged batch, fp64 so no rounding ties)."""
+    cfg = Config.from_preset("tiny", n_layer=1, B=8, l_c=8, s_c=2, n_win=1, k=6, k_q=2)
+    Bz, T = 2, 300
+    q = torch.randn(Bz, cfg.H_q, T, cfg.head_dim, dtype=torch.float64)
+    k = torch.randn(Bz, cfg.H_kv, T, cfg.head_dim, dtype=torch.float64)
+    v = torch.randn_like(k)
+    c = torch.randn(Bz, cfg.H_kv, T, dtype=torch.float64)
+    _, par = nosa.nosa_attention(q, k, v, c, cfg)  # (Bz, H_kv, T, nb)
+    assert not par[:, :, -1].all(), "test too short: sparsity never kicks in"
+    sub = SubBlockCache(cfg, Bz, "cpu", torch.float64)
+    starts = [5, 40]
+    for i, s in enumerate(starts):
+        sub.prefill(0, i, k[i, :, :s], c[i, :, :s])
+    for step in range(T - max(starts)):
+        pos = torch.tensor([s + step for s in starts])
+        rows = torch.arange(Bz)
+        sub.append(0, k[rows, :, pos], c[rows, :, pos], pos)
+        nb = pooling.n_blocks(int(pos.max()) + 1, cfg)
+        Q = pooling.query_aware_scores(q[rows, :, pos][:, :, None], sub.K_sub[0], pos[:, None], nb, cfg)
+        E = eviction.eviction_block_scores(sub.c_sub[0], nb, cfg)
+        dec = nosa.select_blocks(Q, E, pos[:, None, None], cfg)[:, :, 0]
+        for i in range(Bz):
+            p = int(pos[i])
+            nbi = pooling.n_blocks(p + 1, cfg)
+            assert torch.equal(dec[i, :, :nbi], par[i, :, p, :nbi]), (i, p)
+            assert not dec[i, :, nbi:].any()
+
+
+@pytest.mark.parametrize("bad, msg", [
+    (dict(H_q=6, H_kv=4), "multiple of H_kv"),
+    (dict(B=10), "multiple of s_c"),
+    (dict(s_c=16), "s_c <= l_c"),
+    (dict(k_q=17), "k_q <= k"),
+    (dict(k=8), "forced blocks"),
+    (dict(n_win=0), "window"),
+    (dict(attn="dense"), "choose one of"),
+])
+def test_bad_configs_raise(bad, msg):
+    with pytest.raises(ValueError, match=msg):
+        Config.from_preset("tiny", **bad)
