@@ -45,7 +45,8 @@ def main(checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, prompt=DEFAULT_PROMPT, ma
     cache = None
     if offload:
         import offload as nosi
-        cache = nosi.OffloadCache(model.cfg, batch, device, model.embed_tokens.weight.dtype)
+        cache = nosi.OffloadCache(model.cfg, batch, device, model.embed_tokens.weight.dtype,
+                                  max_len=len(ids) + max_new_tokens)
 
     t0 = time.perf_counter()
     out = model.generate([ids] * batch, max_new_tokens, temperature, top_k, cache=cache)

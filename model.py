@@ -84,7 +84,7 @@ class Attention(nn.Module):
         block_mask = None
         if cfg.attn != "full":
             # score and select exactly as the parallel forward does, from the pooled caches
-            nb = pooling.n_blocks(int(pos.max()) + 1, cfg)
+            nb = pooling.n_blocks(int(cache.len_cpu.max()) + 1, cfg)  # host-side mirror: no device sync
             K_sub, c_sub = cache.sub[layer]
             Q = pooling.query_aware_scores(q, K_sub, pos[:, None], nb, cfg)  # (Bz, H_kv, 1, nb)
             E = Q.new_zeros(Bz, cfg.H_kv, nb) if c is None else eviction.eviction_block_scores(c_sub, nb, cfg)
@@ -151,7 +151,7 @@ class Transformer(nn.Module):
         x = self.embed_tokens(tok[:, None])  # (Bz, 1, dim)
         for i, layer in enumerate(self.layers):
             x = layer(x, i, cache, decode=True)
-        cache.len += 1
+        cache.advance()
         return self.lm_head(self.norm(x))[:, 0]
 
     @torch.no_grad()
@@ -230,25 +230,27 @@ class SubBlockCache:
             self.c_sub[layer][seq, :, :M] = pooling.pool_mean(c, cfg)
             self.ring_c[layer][seq][:, tail % cfg.l_c] = c[:, tail]
 
-    def append(self, layer, k, c, pos):
+    def append(self, layer, k, c, pos, max_pos):
         """k (Bz, H_kv, d), c (Bz, H_kv) or None, written at positions pos (Bz,); when a sub-block
-        completes (every s_c tokens, per sequence) its mean joins K̃ and c̃."""
+        completes (every s_c tokens, per sequence) its mean joins K̃ and c̃. max_pos: the largest
+        position, known on the host, so that nothing here waits for the device."""
         cfg, rows = self.cfg, torch.arange(k.shape[0], device=k.device)
         self.ring_k[layer][rows, :, pos % cfg.l_c] = k
         if c is not None:
             self.ring_c[layer][rows, :, pos % cfg.l_c] = c
-        start = pos + 1 - cfg.l_c  # first token of the sub-block that ends at pos
-        done = (start >= 0) & (start % cfg.s_c == 0)  # (Bz,)
-        if not bool(done.any()):
+        if max_pos + 1 < cfg.l_c:
             return
+        self.K_sub[layer] = grow(self.K_sub[layer], pooling.n_subblocks(max_pos + 1, cfg), 2)
+        self.c_sub[layer] = grow(self.c_sub[layer], pooling.n_subblocks(max_pos + 1, cfg), 2)
+        start = pos + 1 - cfg.l_c  # first token of the sub-block that ends at pos, (Bz,)
+        done = ((start >= 0) & (start % cfg.s_c == 0))[:, None]  # (Bz, 1)
         m = (start // cfg.s_c).clamp(min=0)  # (Bz,)
-        self.K_sub[layer] = grow(self.K_sub[layer], int(m.max()) + 1, 2)
-        self.c_sub[layer] = grow(self.c_sub[layer], int(m.max()) + 1, 2)
         order = (start[:, None] + torch.arange(cfg.l_c, device=k.device)) % cfg.l_c  # ring in token order
-        rows, m, order = rows[done], m[done], order[done]
-        self.K_sub[layer][rows, :, m] = self.ring_k[layer][rows[:, None], :, order].mean(1)
+        new = self.ring_k[layer][rows[:, None], :, order].mean(1)  # (Bz, H_kv, d)
+        self.K_sub[layer][rows, :, m] = torch.where(done[..., None], new, self.K_sub[layer][rows, :, m])
         if c is not None:
-            self.c_sub[layer][rows, :, m] = self.ring_c[layer][rows[:, None], :, order].mean(1)
+            new = self.ring_c[layer][rows[:, None], :, order].mean(1)  # (Bz, H_kv)
+            self.c_sub[layer][rows, :, m] = torch.where(done, new, self.c_sub[layer][rows, :, m])
 
 
 class KVCache:
@@ -257,7 +259,8 @@ class KVCache:
     def __init__(self, cfg, Bz, device, dtype):
         self.cfg = cfg
         L, H, d = cfg.n_layer, cfg.H_kv, cfg.head_dim
-        self.len = torch.zeros(Bz, dtype=torch.long, device=device)
+        self.len = torch.zeros(Bz, dtype=torch.long, device=device)  # tokens per sequence
+        self.len_cpu = torch.zeros(Bz, dtype=torch.long)  # the same, on the host
         self.k = [torch.zeros(Bz, H, 0, d, device=device, dtype=dtype) for _ in range(L)]
         self.v = [torch.zeros(Bz, H, 0, d, device=device, dtype=dtype) for _ in range(L)]
         self.c = [torch.zeros(Bz, H, 0, device=device, dtype=torch.promote_types(dtype, torch.float32)) for _ in range(L)]
@@ -271,19 +274,24 @@ class KVCache:
             self.c[layer][seq, :, :T] = c
         self.sub.prefill(layer, seq, k, c)
         if layer == self.cfg.n_layer - 1:
-            self.len[seq] = T
+            self.len[seq] = self.len_cpu[seq] = T
+
+    def advance(self):
+        self.len += 1
+        self.len_cpu += 1
 
     def append(self, layer, k, v, c):
         pos, rows = self.len, torch.arange(k.shape[0], device=k.device)
-        self._grow(layer, int(pos.max()) + 1)
+        max_pos = int(self.len_cpu.max())
+        self._grow(layer, max_pos + 1)
         self.k[layer][rows, :, pos], self.v[layer][rows, :, pos] = k, v
         if c is not None:
             self.c[layer][rows, :, pos] = c
-        self.sub.append(layer, k, c, pos)
+        self.sub.append(layer, k, c, pos, max_pos)
 
     def attend(self, layer, q, block_mask):
         """q (Bz, H_q, 1, d) at positions self.len -> (Bz, H_q, 1, d) over the cached tokens."""
-        S = int(self.len.max()) + 1
+        S = int(self.len_cpu.max()) + 1
         c = self.c[layer][:, :, :S] if self.cfg.attn in ("nosa", "dma") else None
         bias = None if c is None else eviction.attention_bias(c, self.cfg.attn)
         return nosa.sparse_attention(q, self.k[layer][:, :, :S], self.v[layer][:, :, :S], bias, block_mask,

@@ -148,7 +148,7 @@ def test_parallel_selection_equals_decode_selection():
     for step in range(T - max(starts)):
         pos = torch.tensor([s + step for s in starts])
         rows = torch.arange(Bz)
-        sub.append(0, k[rows, :, pos], c[rows, :, pos], pos)
+        sub.append(0, k[rows, :, pos], c[rows, :, pos], pos, int(pos.max()))
         nb = pooling.n_blocks(int(pos.max()) + 1, cfg)
         Q = pooling.query_aware_scores(q[rows, :, pos][:, :, None], sub.K_sub[0], pos[:, None], nb, cfg)
         E = eviction.eviction_block_scores(sub.c_sub[0], nb, cfg)

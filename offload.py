@@ -1,0 +1,319 @@
+"""
+NOSI: decoding with the KV cache offloaded to host memory (METHOD.md §5).
+
+Notation: R = Bz * H_kv rows, one per (sequence, KV head), per layer; k slots per row;
+a *unit* = one KV block, K then V: (2, B, d), contiguous (one PCIe burst); q_t = pos // B the
+tail block, the one being written.
+
+  host store   (R, cap, 2, B, d)  every completed block of every row; pinned when CUDA is present;
+                                  nothing is ever deleted; grows by doubling
+  slot pool    (R, k, 2, B, d)    on the GPU: the selected blocks other than the tail
+  tail         (R, 2, B, d)       on the GPU: the block being written
+  slot_block   (R, k)             slot -> block id, -1 = free
+  block_slot   (R, cap)           block -> slot, -1 = not resident
+  c            (Bz, H_kv, S)      the eviction score of every token stays on the GPU (1/2d of K+V),
+                                  as do the pooled caches K̃ and c̃ that scoring reads (model.SubBlockCache)
+
+Per decode step and layer (Attention.decode in model.py calls append, then attend):
+  1. append     write k, v into the tail, c into its cache, update K̃ / c̃
+  2. select     Γ(t), exactly as in training (nosa.select_blocks)
+  3. set_difference   the selected non-tail blocks against the resident ones: free the slots of
+                blocks no longer selected, give each missed block a free slot; on the device, no sync
+  4. gather     the missed units from the host store into their slots (uva_copy.cu)
+  5. attention  over the slots and the tail, with the bias
+  6. when the tail block is full: write it to the host store, and keep it in a free slot (there is
+     always one: at most k - 1 non-tail blocks are selected), so the window needs no transfer.
+By the locality theorem (nosa.py) step 4 moves at most k - k_e units per row and step.
+"""
+import math
+import os
+import time
+import warnings
+
+import torch
+
+import eviction
+from model import SubBlockCache, grow
+from pooling import fp32
+
+
+# -----------------------------------------------------------------------------
+# The two transfer primitives: CUDA kernels (uva_copy.cu) and their torch twins
+
+
+def set_difference_torch(need, slot_block, block_slot, fetch):
+    """Twin of uva_copy.cu:set_difference. need (R, n <= k) ascending block ids, -1 padded; updates
+    the tables slot_block (R, k) and block_slot (R, cap) in place; writes fetch (R, k): the block each
+    slot must load, or -1. The i-th missed block (ascending) takes the i-th free slot (ascending)."""
+    R, cap = block_slot.shape
+    rows = torch.arange(R, device=need.device)[:, None]
+    # 1. evict: resident blocks that are not needed any more free their slots
+    needed = torch.zeros(R, cap + 1, dtype=torch.bool, device=need.device)  # last column absorbs the padding
+    needed[rows, need.masked_fill(need < 0, cap)] = True
+    drop = (slot_block >= 0) & ~needed[rows, slot_block.clamp(min=0)]  # (R, k)
+    r, s = drop.nonzero(as_tuple=True)
+    block_slot[r, slot_block[r, s]] = -1
+    slot_block[r, s] = -1
+    # 2. misses take free slots
+    miss = (need >= 0) & (block_slot.gather(1, need.clamp(min=0)) < 0)  # (R, n)
+    free_first = torch.sort((slot_block >= 0).to(torch.uint8), dim=1, stable=True).indices  # (R, k)
+    slot = free_first.gather(1, (miss.cumsum(1) - 1).clamp(min=0))  # (R, n)
+    r, i = miss.nonzero(as_tuple=True)
+    fetch.fill_(-1)
+    fetch[r, slot[r, i]] = need[r, i]
+    slot_block[r, slot[r, i]] = need[r, i]
+    block_slot[r, need[r, i]] = slot[r, i]
+
+
+def gather_units_torch(host, pool, fetch):
+    """Twin of uva_copy.cu:gather_units: pool[r, s] = host[r, fetch[r, s]] where fetch >= 0."""
+    f = fetch.to(host.device)
+    r, s = torch.nonzero(f >= 0, as_tuple=True)
+    if r.numel():
+        pool[r.to(pool.device), s.to(pool.device)] = host[r, f[r, s]].to(pool.device, non_blocking=True)
+
+
+_ext = None
+
+
+def _kernels(device):
+    """The compiled uva_copy extension on CUDA, or None (then the twins run). One warning if a
+    CUDA machine cannot build it; silence on a CPU run."""
+    global _ext
+    if torch.device(device).type != "cuda":
+        return None
+    if _ext is None:
+        try:
+            from torch.utils.cpp_extension import load
+            src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "uva_copy.cu")
+            _ext = load(name="uva_copy", sources=[src], extra_cuda_cflags=["-O3"], verbose=False)
+        except Exception as e:  # no nvcc, a CPU-only torch, a compiler error
+            warnings.warn(f"uva_copy.cu did not build ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                          f"falling back to the torch gather, which is much slower")
+            _ext = False
+    return _ext or None
+
+
+def set_difference(need, slot_block, block_slot, fetch):
+    ext = _kernels(need.device)
+    (ext.set_difference if ext else set_difference_torch)(need, slot_block, block_slot, fetch)
+
+
+def gather_units(host, pool, fetch):
+    ext = _kernels(pool.device)
+    if ext and host.is_pinned():
+        ext.gather_units(host, pool, fetch)
+    else:
+        gather_units_torch(host, pool, fetch)
+
+
+# -----------------------------------------------------------------------------
+# Statistics
+
+
+class Stats:
+    """Per-layer counters kept on the device (no sync while decoding), read once at the end."""
+
+    def __init__(self, n_layer, unit_bytes, device):
+        self.unit_bytes = unit_bytes
+        self.needed = torch.zeros(n_layer, dtype=torch.long, device=device)  # selected non-tail blocks
+        self.moved = torch.zeros(n_layer, dtype=torch.long, device=device)  # of those, gathered from host
+        self.steps = 0
+        self.transfer_s = 0.0  # wall time of the gathers (CUDA events on a GPU)
+        self._events = []
+
+    def summary(self):
+        for start, end in self._events:
+            self.transfer_s += start.elapsed_time(end) / 1e3
+        self._events = []
+        needed, moved = self.needed.sum().item(), self.moved.sum().item()
+        per_layer = (1 - self.moved / self.needed.clamp(min=1)).tolist()
+        steps = max(self.steps, 1)
+        gbs = moved * self.unit_bytes / self.transfer_s / 1e9 if self.transfer_s > 0 else 0.0
+        return (f"hit rate: {100 * (1 - moved / max(needed, 1)):.1f}% (per layer: "
+                f"{' '.join(f'{100 * h:.1f}' for h in per_layer)}) | blocks moved per step: {moved / steps:.1f} | "
+                f"bytes moved per step: {moved * self.unit_bytes / steps / 1e6:.3f} MB | transfer: {gbs:.1f} GB/s")
+
+
+# -----------------------------------------------------------------------------
+# The offloaded cache
+
+
+def host_bytes_available():
+    try:
+        with open("/proc/meminfo") as f:
+            return int(next(l for l in f if l.startswith("MemAvailable")).split()[1]) * 1024
+    except (OSError, StopIteration):
+        return None
+
+
+class OffloadCache:
+    """Drop-in for model.KVCache (prefill / append / attend / advance) with the KV cache in host
+    memory and only the selected blocks on the device."""
+
+    def __init__(self, cfg, Bz, device, dtype, max_len=None, gpu_budget=None, host_budget=None):
+        if cfg.attn == "full":
+            raise ValueError("--offload needs a sparse attention mode (nosa, infllmv2 or dma); full attention "
+                             "reads every block at every step")
+        self.cfg, self.device, self.Bz = cfg, torch.device(device), Bz
+        L, H, B, d, k = cfg.n_layer, cfg.H_kv, cfg.B, cfg.head_dim, cfg.k
+        R, elt = Bz * H, torch.empty((), dtype=dtype).element_size()
+        max_len = max_len or cfg.max_seq_len
+        cap = math.ceil(max_len / B)
+        unit = 2 * B * d * elt
+        # check both budgets before allocating anything
+        need_host = L * R * cap * unit
+        need_gpu = L * R * (k + 1) * unit + L * Bz * H * max_len * 4 + L * R * (max_len // cfg.s_c + 1) * (d * elt + 4)
+        host_budget = host_budget or host_bytes_available()
+        if gpu_budget is None and self.device.type == "cuda":
+            gpu_budget = torch.cuda.mem_get_info(self.device)[0]
+        if host_budget is not None and need_host > host_budget:
+            raise MemoryError(f"the host KV store needs {need_host / 2**30:.2f} GiB for batch {Bz} x {max_len} tokens, "
+                              f"but {host_budget / 2**30:.2f} GiB is available: lower the batch or the length")
+        if gpu_budget is not None and need_gpu > gpu_budget:
+            raise MemoryError(f"the GPU slot pool needs {need_gpu / 2**30:.2f} GiB for batch {Bz} (k={k} slots of "
+                              f"{unit / 1024:.0f} KiB per row and layer), but the budget is {gpu_budget / 2**30:.2f} "
+                              f"GiB: lower the batch")
+        self.pin = self.device.type == "cuda"
+        self.len = torch.zeros(Bz, dtype=torch.long, device=device)
+        self.len_cpu = torch.zeros(Bz, dtype=torch.long)
+        self.host = [self._host_alloc(R, cap, dtype) for _ in range(L)]
+        self.pool = [torch.zeros(R, k, 2, B, d, dtype=dtype, device=device) for _ in range(L)]
+        self.tail = [torch.zeros(R, 2, B, d, dtype=dtype, device=device) for _ in range(L)]
+        self.slot_block = [torch.full((R, k), -1, dtype=torch.long, device=device) for _ in range(L)]
+        self.block_slot = [torch.full((R, cap), -1, dtype=torch.long, device=device) for _ in range(L)]
+        self.fetch = [torch.full((R, k), -1, dtype=torch.long, device=device) for _ in range(L)]
+        cdt = torch.promote_types(dtype, torch.float32)
+        self.c = [torch.zeros(Bz, H, max_len, dtype=cdt, device=device) for _ in range(L)]
+        self.sub = SubBlockCache(cfg, Bz, device, dtype)
+        self.stats = Stats(L, unit, device)
+
+    def _host_alloc(self, R, cap, dtype):
+        cfg = self.cfg
+        return torch.zeros(R, cap, 2, cfg.B, cfg.head_dim, dtype=dtype, pin_memory=self.pin)
+
+    def _ensure_blocks(self, layer, n):
+        """Room for n blocks per row in the host store and the block table (doubling, copying)."""
+        old = self.host[layer]
+        R, cap = old.shape[:2]
+        if cap >= n:
+            return
+        self.host[layer] = self._host_alloc(R, max(n, 2 * cap), old.dtype)
+        self.host[layer][:, :cap] = old
+        table = torch.full((R, self.host[layer].shape[1]), -1, dtype=torch.long, device=self.device)
+        table[:, :cap] = self.block_slot[layer]
+        self.block_slot[layer] = table
+
+    def rows(self, seq):
+        return torch.arange(seq * self.cfg.H_kv, (seq + 1) * self.cfg.H_kv)
+
+    def prefill(self, layer, seq, k, v, c):
+        """One sequence's prompt: k, v (H_kv, T, d), c (H_kv, T). Whole blocks go to the host store,
+        the rest to the tail; nothing is resident yet, so the first step gathers its selection."""
+        cfg, T = self.cfg, k.shape[1]
+        n_full, r = T // cfg.B, self.rows(seq)
+        self._ensure_blocks(layer, n_full + 1)
+        kv = torch.stack([k, v], 1)  # (H_kv, 2, T, d)
+        blocks = kv[:, :, :n_full * cfg.B].reshape(cfg.H_kv, 2, n_full, cfg.B, cfg.head_dim).transpose(1, 2)
+        self.host[layer][r, :n_full] = blocks.to("cpu")  # (H_kv, n_full, 2, B, d)
+        self.tail[layer][r.to(self.device), :, :T - n_full * cfg.B] = kv[:, :, n_full * cfg.B:]
+        self.slot_block[layer][r.to(self.device)] = -1
+        self.block_slot[layer][r.to(self.device)] = -1
+        self.c[layer] = grow(self.c[layer], T, 2)
+        if c is not None:
+            self.c[layer][seq, :, :T] = c
+        self.sub.prefill(layer, seq, k, c)
+        if layer == cfg.n_layer - 1:
+            self.len[seq] = self.len_cpu[seq] = T
+
+    def advance(self):
+        self.len += 1
+        self.len_cpu += 1
+        self.stats.steps += 1
+
+    def append(self, layer, k, v, c):
+        """k, v (Bz, H_kv, d), c (Bz, H_kv) or None: the new token of every sequence."""
+        cfg, pos = self.cfg, self.len
+        max_pos = int(self.len_cpu.max())
+        self._ensure_blocks(layer, max_pos // cfg.B + 1)
+        self.c[layer] = grow(self.c[layer], max_pos + 1, 2)
+        rows = torch.arange(self.Bz * cfg.H_kv, device=self.device)
+        slot = (pos % cfg.B).repeat_interleave(cfg.H_kv)  # (R,)
+        self.tail[layer][rows, 0, slot] = k.reshape(-1, cfg.head_dim)
+        self.tail[layer][rows, 1, slot] = v.reshape(-1, cfg.head_dim)
+        if c is not None:
+            self.c[layer][torch.arange(self.Bz, device=self.device), :, pos] = c
+        self.sub.append(layer, k, c, pos, max_pos)
+
+    def attend(self, layer, q, block_mask):
+        """q (Bz, H_q, 1, d) at positions self.len; block_mask (Bz, H_kv, 1, nb) = Γ(t)."""
+        cfg, Bz = self.cfg, self.Bz
+        R, k, B, d = Bz * cfg.H_kv, cfg.k, cfg.B, cfg.head_dim
+        pos = self.len.repeat_interleave(cfg.H_kv)  # (R,)
+        q_blk = pos // B
+        sel = block_mask.reshape(R, -1)  # (R, nb)
+        nb = sel.shape[1]
+        b = torch.arange(nb, device=self.device)
+        need = sel & (b != q_blk[:, None])  # the tail is always on the device
+        # ascending block ids of the needed blocks, -1 padded: at most k - 1 of them
+        need_ids = torch.where(need, b, nb).sort(1).values[:, :k]
+        need_ids = torch.where(need_ids < nb, need_ids, -1).contiguous()
+        set_difference(need_ids, self.slot_block[layer], self.block_slot[layer], self.fetch[layer])
+        self.stats.needed[layer] += need.sum()
+        self.stats.moved[layer] += (self.fetch[layer] >= 0).sum()
+        self._timed_gather(layer)
+        o = slot_attention(q, self.pool[layer], self.tail[layer], self.slot_block[layer], self.c[layer],
+                           self.len, cfg)
+        self._flush_full_tails(layer, pos, q_blk)
+        return o
+
+    def _timed_gather(self, layer):
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            gather_units(self.host[layer], self.pool[layer], self.fetch[layer])
+            end.record()
+            self.stats._events.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            gather_units(self.host[layer], self.pool[layer], self.fetch[layer])
+            self.stats.transfer_s += time.perf_counter() - t0
+
+    def _flush_full_tails(self, layer, pos, q_blk):
+        """A tail whose last token was just written goes to the host store and into a free slot."""
+        cfg = self.cfg
+        full_cpu = (self.len_cpu % cfg.B == cfg.B - 1).repeat_interleave(cfg.H_kv)  # (R,) on the host
+        if not bool(full_cpu.any()):
+            return
+        r_cpu = torch.nonzero(full_cpu)[:, 0]
+        qb_cpu = (self.len_cpu // cfg.B).repeat_interleave(cfg.H_kv)[r_cpu]
+        self.host[layer][r_cpu, qb_cpu] = self.tail[layer][r_cpu.to(self.device)].to("cpu")
+        r = r_cpu.to(self.device)
+        free = torch.argmax((self.slot_block[layer][r] < 0).to(torch.uint8), 1)  # first free slot
+        self.pool[layer][r, free] = self.tail[layer][r]
+        self.slot_block[layer][r, free] = q_blk[r]
+        self.block_slot[layer][r, q_blk[r]] = free
+
+
+def slot_attention(q, pool, tail, slot_block, c, pos, cfg):
+    """Decode attention over the resident blocks (torch twin of the slot-pool decode kernel).
+
+    q (Bz, H_q, 1, d); pool (R, k, 2, B, d); tail (R, 2, B, d); slot_block (R, k); c (Bz, H_kv, S);
+    pos (Bz,). Every resident block is selected (set_difference evicted the rest), so the tokens are
+    the k slots plus the tail up to pos. Same softmax(q·k/√d + bias) as nosa.sparse_attention."""
+    Bz, H_q, _, d = q.shape
+    H, B, k = cfg.H_kv, cfg.B, cfg.k
+    kv = torch.cat([pool, tail[:, None]], 1).view(Bz, H, k + 1, 2, B, d)
+    blk = torch.cat([slot_block, (pos // B).repeat_interleave(H)[:, None]], 1).view(Bz, H, k + 1)
+    tok = blk[..., None] * B + torch.arange(B, device=q.device)  # (Bz, H, k+1, B) token positions
+    valid = (blk[..., None] >= 0) & (tok <= pos[:, None, None, None])
+    keys, vals = kv[:, :, :, 0].reshape(Bz, H, -1, d), kv[:, :, :, 1].reshape(Bz, H, -1, d)
+    bias = None
+    if cfg.attn in ("nosa", "dma"):
+        bias = eviction.attention_bias(c.gather(2, tok.clamp(0, c.shape[2] - 1).view(Bz, H, -1)), cfg.attn)  # (Bz, H, (k+1)B)
+    s = torch.einsum("bhgd,bhsd->bhgs", fp32(q.view(Bz, H, H_q // H, d)), fp32(keys)) / math.sqrt(d)
+    if bias is not None:
+        s = s + bias[:, :, None]
+    s = s.masked_fill(~valid.view(Bz, H, 1, -1), float("-inf"))
+    o = torch.einsum("bhgs,bhsd->bhgd", torch.softmax(s, -1), fp32(vals))
+    return o.reshape(Bz, H_q, 1, d).to(q.dtype)

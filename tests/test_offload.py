@@ -1,0 +1,140 @@
+"""NOSI offloading: same logits as the resident cache and the parallel forward, exact slot-pool
+bookkeeping, transfers equal to the set differences, clear errors for budgets that do not fit."""
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import offload
+from model import KVCache
+from offload import OffloadCache
+from tests.test_model import make_model
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class CheckedCache(OffloadCache):
+    """Checks the slot pool after every attend: it holds exactly the selected non-tail blocks,
+    bit-equal to the host store, the two tables are inverse, and what was gathered is exactly the
+    set difference between the selection and what was resident before."""
+
+    def attend(self, layer, q, block_mask):
+        before = self.slot_block[layer].clone()
+        o = super().attend(layer, q, block_mask)
+        cfg, R = self.cfg, self.Bz * self.cfg.H_kv
+        pos = self.len_cpu.repeat_interleave(cfg.H_kv)
+        sel = block_mask.reshape(R, -1).cpu()
+        sb, fetch = self.slot_block[layer].cpu(), self.fetch[layer].cpu()
+        for r in range(R):
+            q_blk = int(pos[r]) // cfg.B
+            need = {b for b in torch.nonzero(sel[r])[:, 0].tolist() if b != q_blk}
+            was = {b for b in before[r].tolist() if b >= 0}
+            resident = [b for b in sb[r].tolist() if b >= 0]
+            flushed = int(pos[r]) % cfg.B == cfg.B - 1  # the full tail just joined a free slot
+            assert len(resident) == len(set(resident)), "a block holds two slots"
+            assert set(resident) == need | ({q_blk} if flushed else set())
+            assert sorted(b for b in fetch[r].tolist() if b >= 0) == sorted(need - was), "transfers != set difference"
+            for s, b in enumerate(sb[r].tolist()):
+                if b >= 0:
+                    assert int(self.block_slot[layer][r, b]) == s
+                    assert torch.equal(self.pool[layer][r, s].cpu(), self.host[layer][r, b]), "slot differs from host"
+            assert int((self.block_slot[layer][r] >= 0).sum()) == len(resident), "a slot leaked"
+        return o
+
+
+def run(model, idx, prompt_lens, cache):
+    out = [[] for _ in prompt_lens]
+    with torch.no_grad():
+        for i, P in enumerate(prompt_lens):
+            out[i].append(model(idx[i:i + 1, :P], cache, seq=i)[0, -1])
+        for s in range(idx.shape[1] - max(prompt_lens)):
+            logits = model.decode(torch.tensor([idx[i, P + s] for i, P in enumerate(prompt_lens)], device=DEV), cache)
+            for i in range(len(prompt_lens)):
+                out[i].append(logits[i])
+    return [torch.stack(o) for o in out]
+
+
+@pytest.mark.parametrize("attn", ["nosa", "infllmv2", "dma"])
+def test_offloaded_decode_equals_parallel_and_resident(attn):
+    model = make_model(attn, torch.float64).to(DEV)
+    cfg = model.cfg
+    prompt_lens = [5, 37, 70]  # mixed lengths; k*B = 64, and 4*k*B = 256 tokens are generated after the longest
+    T = max(prompt_lens) + 4 * cfg.k * cfg.B + 3
+    idx = torch.randint(0, cfg.vocab_size, (3, T), device=DEV)
+    with torch.no_grad():
+        ref = model(idx)
+    # max_len far too small on purpose: the host store and tables must grow while decoding
+    off = run(model, idx, prompt_lens, CheckedCache(cfg, 3, DEV, torch.float64, max_len=40))
+    res = run(model, idx, prompt_lens, KVCache(cfg, 3, DEV, torch.float64))
+    for i, P in enumerate(prompt_lens):
+        torch.testing.assert_close(off[i], ref[i, P - 1:P - 1 + off[i].shape[0]], rtol=0, atol=1e-9)
+        torch.testing.assert_close(off[i], res[i], rtol=0, atol=1e-9)
+
+
+def test_offload_stats_and_locality_bound():
+    model = make_model("nosa", torch.float32).to(DEV)
+    cfg = model.cfg
+    cache = OffloadCache(cfg, 2, DEV, torch.float32, max_len=90 + 300)  # sized exactly, as generate.py does
+    model.generate([[1, 2, 3] * 30, [4] * 7], max_new_tokens=300, cache=cache)
+    assert cache.stats.moved.sum() > 0
+    steps = cache.stats.steps
+    # the theorem: at most k - k_e transfers per (row, layer, step), plus one full gather after prefill
+    bound = cfg.n_layer * 2 * cfg.H_kv * ((cfg.k - cfg.k_e) * steps + cfg.k)
+    assert int(cache.stats.moved.sum()) <= bound
+    assert "hit rate" in cache.stats.summary()
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), R=st.integers(1, 4), k=st.integers(2, 8), n_steps=st.integers(1, 12))
+def test_set_difference_random_sequences(data, R, k, n_steps):
+    cap = 3 * k
+    slot_block = torch.full((R, k), -1, dtype=torch.long)
+    block_slot = torch.full((R, cap), -1, dtype=torch.long)
+    fetch = torch.empty(R, k, dtype=torch.long)
+    for _ in range(n_steps):
+        rows = [sorted(data.draw(st.sets(st.integers(0, cap - 1), max_size=k))) for _ in range(R)]
+        need = torch.full((R, k), -1, dtype=torch.long)
+        for r, ids in enumerate(rows):
+            need[r, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+        was = [{b for b in slot_block[r].tolist() if b >= 0} for r in range(R)]
+        offload.set_difference_torch(need, slot_block, block_slot, fetch)
+        for r, ids in enumerate(rows):
+            res = [b for b in slot_block[r].tolist() if b >= 0]
+            assert sorted(res) == ids  # exactly the needed blocks, none twice, none leaked
+            assert sorted(b for b in fetch[r].tolist() if b >= 0) == sorted(set(ids) - was[r])
+            assert all(fetch[r, s] in (-1, slot_block[r, s]) for s in range(k))
+            assert {(b, s) for s, b in enumerate(slot_block[r].tolist()) if b >= 0} == \
+                   {(b, s) for b, s in enumerate(block_slot[r].tolist()) if s >= 0}
+
+
+def test_budgets_and_modes_raise_before_allocating():
+    model = make_model("nosa", torch.float32)
+    with pytest.raises(MemoryError, match="host KV store needs .* lower the batch"):
+        OffloadCache(model.cfg, 4, "cpu", torch.float32, max_len=1 << 20, host_budget=1 << 20)
+    with pytest.raises(MemoryError, match="GPU slot pool needs .* lower the batch"):
+        OffloadCache(model.cfg, 64, "cpu", torch.float32, max_len=1024, gpu_budget=1 << 16)
+    with pytest.raises(ValueError, match="sparse attention mode"):
+        OffloadCache(make_model("full", torch.float32).cfg, 1, "cpu", torch.float32)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA kernels need a GPU")
+def test_cuda_kernels_match_twins():
+    assert offload._kernels("cuda"), "uva_copy.cu did not build"
+    R, k, cap, U = 6, 8, 40, (2, 16, 64)
+    host = torch.randn(R, cap, *U, dtype=torch.bfloat16).pin_memory()
+    tables = [torch.full((R, k), -1, dtype=torch.long), torch.full((R, cap), -1, dtype=torch.long)]
+    dev_tables = [t.cuda() for t in tables]
+    pool = torch.randn(R, k, *U, dtype=torch.bfloat16)
+    dev_pool = pool.cuda()
+    for step in range(20):
+        need = torch.full((R, k), -1, dtype=torch.long)
+        for r in range(R):
+            n = int(torch.randint(0, k, ()))
+            need[r, :n] = torch.randperm(cap)[:n].sort().values
+        f, df = torch.empty(R, k, dtype=torch.long), torch.empty(R, k, dtype=torch.long, device="cuda")
+        offload.set_difference_torch(need, *tables, f)
+        offload.set_difference(need.cuda().contiguous(), *dev_tables, df)
+        assert torch.equal(f, df.cpu()) and all(torch.equal(a, b.cpu()) for a, b in zip(tables, dev_tables))
+        offload.gather_units_torch(host, pool, f)
+        offload.gather_units(host, dev_pool, df)
+        torch.cuda.synchronize()
+        assert torch.equal(pool, dev_pool.cpu())

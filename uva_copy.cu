@@ -1,0 +1,123 @@
+// NOSI transfer kernels (METHOD.md §5), built on first use by offload.py with
+// torch.utils.cpp_extension.load. Both run on the current CUDA stream and never wait for the host.
+//
+// Notation: R rows = (sequence, KV head) pairs of one layer; k slots per row on the GPU;
+// a *unit* is one KV block, K then V: 2 * B * d elements, contiguous in the host store and in a slot.
+//
+// set_difference: per row, given the blocks the new selection needs (ascending block ids, -1 padded)
+//   and the tables slot -> block and block -> slot, free the slots whose block is no longer needed,
+//   give the i-th missing block the i-th free slot, and write fetch[row, slot] = block to load (or -1).
+//   One thread per row: k is small (64) and the work is a few table look-ups.
+// gather_units: for every (row, slot) with fetch >= 0, copy host[row, fetch] -> pool[row, slot].
+//   The host store is pinned, so with unified virtual addressing a kernel reads it directly through
+//   its device pointer (cudaHostGetDevicePointer): one launch moves every missed block of a layer
+//   as 16-byte vector reads, many PCIe requests in flight, instead of one memcpy per block.
+#include <torch/extension.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <cuda_runtime.h>
+
+namespace {
+
+__global__ void set_difference_kernel(const int64_t* __restrict__ need,  // (R, n_need) ascending, -1 pad
+                                      int64_t* __restrict__ slot_block,  // (R, k)
+                                      int64_t* __restrict__ block_slot,  // (R, cap)
+                                      int64_t* __restrict__ fetch,       // (R, k) out
+                                      int64_t R, int64_t n_need, int64_t k, int64_t cap) {
+  int64_t r = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+  if (r >= R) return;
+  const int64_t* nd = need + r * n_need;
+  int64_t* sb = slot_block + r * k;
+  int64_t* bs = block_slot + r * cap;
+  int64_t* f = fetch + r * k;
+  // 1. evict: a resident block that is not needed any more frees its slot
+  for (int64_t s = 0; s < k; ++s) {
+    f[s] = -1;
+    int64_t b = sb[s];
+    if (b < 0) continue;
+    bool needed = false;
+    for (int64_t i = 0; i < n_need && nd[i] >= 0 && nd[i] <= b; ++i) needed |= (nd[i] == b);
+    if (!needed) { bs[b] = -1; sb[s] = -1; }
+  }
+  // 2. misses, in ascending block order, take free slots in ascending slot order
+  int64_t s = 0;
+  for (int64_t i = 0; i < n_need; ++i) {
+    int64_t b = nd[i];
+    if (b < 0) break;
+    if (bs[b] >= 0) continue;  // hit
+    while (s < k && sb[s] >= 0) ++s;
+    if (s == k) break;  // cannot happen when the selection respects the slot count (checked by the caller's sizes)
+    sb[s] = b; bs[b] = s; f[s] = b;
+  }
+}
+
+constexpr int THREADS = 256;
+constexpr int UNROLL = 4;  // 16-byte loads each thread keeps in flight before it stores
+
+__global__ void gather_units_kernel(const int4* __restrict__ host,    // (R, cap, U16) in pinned memory
+                                    int4* __restrict__ pool,          // (R, k, U16) on the device
+                                    const int64_t* __restrict__ fetch,  // (R, k)
+                                    int64_t k, int64_t cap, int64_t U16) {
+  int64_t rs = blockIdx.x;  // (row, slot)
+  int64_t b = fetch[rs];
+  if (b < 0) return;
+  const int4* src = host + ((rs / k) * cap + b) * U16;
+  int4* dst = pool + rs * U16;
+  for (int64_t base = threadIdx.x; base < U16; base += (int64_t)THREADS * UNROLL) {
+    int4 buf[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      int64_t i = base + (int64_t)u * THREADS;
+      if (i < U16) buf[u] = src[i];
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      int64_t i = base + (int64_t)u * THREADS;
+      if (i < U16) dst[i] = buf[u];
+    }
+  }
+}
+
+#define CHECK_CUDA(call)                                                                  \
+  do {                                                                                    \
+    cudaError_t e = (call);                                                               \
+    TORCH_CHECK(e == cudaSuccess, "uva_copy: ", #call, " failed: ", cudaGetErrorString(e)); \
+  } while (0)
+
+}  // namespace
+
+void set_difference(torch::Tensor need, torch::Tensor slot_block, torch::Tensor block_slot, torch::Tensor fetch) {
+  TORCH_CHECK(need.is_cuda() && slot_block.is_cuda() && block_slot.is_cuda() && fetch.is_cuda(), "CUDA tensors expected");
+  TORCH_CHECK(need.scalar_type() == torch::kInt64 && slot_block.scalar_type() == torch::kInt64 &&
+              block_slot.scalar_type() == torch::kInt64 && fetch.scalar_type() == torch::kInt64, "int64 tensors expected");
+  TORCH_CHECK(need.is_contiguous() && slot_block.is_contiguous() && block_slot.is_contiguous() && fetch.is_contiguous(),
+              "contiguous tensors expected");
+  int64_t R = slot_block.size(0), k = slot_block.size(1);
+  if (R == 0) return;
+  set_difference_kernel<<<(R + 127) / 128, 128, 0, at::cuda::getCurrentCUDAStream()>>>(
+      need.data_ptr<int64_t>(), slot_block.data_ptr<int64_t>(), block_slot.data_ptr<int64_t>(),
+      fetch.data_ptr<int64_t>(), R, need.size(1), k, block_slot.size(1));
+  CHECK_CUDA(cudaGetLastError());
+}
+
+void gather_units(torch::Tensor host, torch::Tensor pool, torch::Tensor fetch) {
+  TORCH_CHECK(!host.is_cuda() && host.is_pinned(), "uva_copy: the host store must be pinned CPU memory");
+  TORCH_CHECK(pool.is_cuda() && fetch.is_cuda() && fetch.scalar_type() == torch::kInt64, "uva_copy: bad pool/fetch");
+  TORCH_CHECK(host.is_contiguous() && pool.is_contiguous() && fetch.is_contiguous(), "contiguous tensors expected");
+  TORCH_CHECK(host.scalar_type() == pool.scalar_type(), "host and pool dtypes differ");
+  int64_t R = host.size(0), cap = host.size(1), k = pool.size(1);
+  int64_t unit_bytes = host.numel() / (R * cap) * host.element_size();
+  TORCH_CHECK(unit_bytes % 16 == 0, "uva_copy: a unit must be a multiple of 16 bytes");
+  TORCH_CHECK(pool.size(0) == R && fetch.size(0) == R && fetch.size(1) == k, "uva_copy: shapes disagree");
+  if (R * k == 0) return;
+  void* dev_ptr = nullptr;
+  CHECK_CUDA(cudaHostGetDevicePointer(&dev_ptr, host.data_ptr(), 0));
+  gather_units_kernel<<<R * k, THREADS, 0, at::cuda::getCurrentCUDAStream()>>>(
+      static_cast<const int4*>(dev_ptr), static_cast<int4*>(pool.data_ptr()), fetch.data_ptr<int64_t>(), k, cap,
+      unit_bytes / 16);
+  CHECK_CUDA(cudaGetLastError());
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("set_difference", &set_difference, "slot-pool set difference (in place), fetch list out");
+  m.def("gather_units", &gather_units, "UVA gather of KV units from pinned host memory into the slot pool");
+}
