@@ -53,8 +53,9 @@ def bench_gather(store_gib=4.0, moved_mib=64, k=64):
         check = torch.empty_like(pool)
         offload.gather_units(host, check, fetches[0])
         torch.cuda.synchronize()
-        r, s = 0, 5
-        assert torch.equal(check[r, s].cpu(), host[r, fetches[0][r, s].item()]), "UVA gather is wrong"
+        r, s = R - 1, k // 2
+        assert torch.equal(check[r, s].cpu().view(torch.int16), host[r, fetches[0][r, s].item()].view(torch.int16)), \
+            "UVA gather is wrong"
 
         fetch_cpu = [f.cpu() for f in fetches]
         flat = host.view(-1, U)

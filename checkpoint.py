@@ -25,11 +25,11 @@ def byte_tokenizer():
     return tok
 
 
-def save(model, tokenizer, path, extra=None):
-    """Write weights (bf16 or as they are), config and tokenizer; `extra` (e.g. training state) goes to
-    train_state.json."""
+def save(model, tokenizer, path, dtype=None, extra=None):
+    """Write weights (in `dtype`, or as they are), config and tokenizer; `extra` (training state)
+    goes to train_state.json."""
     os.makedirs(path, exist_ok=True)
-    sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    sd = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in model.state_dict().items()}
     if model.cfg.tie_embeddings:
         sd.pop("lm_head.weight")
     save_file(sd, os.path.join(path, "model.safetensors"))

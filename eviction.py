@@ -25,6 +25,7 @@ import torch.nn.functional as F
 import pooling
 
 
+@torch.amp.autocast("cuda", enabled=False)  # scores, bias and softmax stay in fp32 under bf16 autocast
 def eviction_score(v, A, W_delta):
     """c = A ⊙ softplus(W_δ · concat_h v): v (Bz, H_kv, T, d) -> c (Bz, H_kv, T), in fp32."""
     Bz, H_kv, T, d = v.shape

@@ -78,6 +78,7 @@ if __name__ == "__main__":
     p.add_argument("--offload", action="store_true", help="keep the KV cache in host memory (NOSI)")
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--quiet", action="store_true", help="print only the statistics, not the text")
     a = p.parse_args()
     prompt = open(a.prompt_file).read() if a.prompt_file else a.prompt
-    main(a.checkpoint, prompt, a.max_new_tokens, a.batch, a.temperature, a.top_k, a.offload, a.device, a.seed)
+    main(a.checkpoint, prompt, a.max_new_tokens, a.batch, a.temperature, a.top_k, a.offload, a.device, a.seed, a.quiet)

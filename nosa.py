@@ -163,6 +163,18 @@ def core_mask(E, q_pos, cfg):
 # Block-sparse attention with a per-token additive bias (torch twin; the reference for kernels)
 
 
+@torch.amp.autocast("cuda", enabled=False)  # scores, bias and softmax stay in fp32 under bf16 autocast
+def attend(q, k, v, logit_add):
+    """softmax(q·k/√d + logit_add) v for G query heads per KV head, in fp32 (or fp64).
+
+    q: (Bz, H_kv, G, T, d); k, v: (Bz, H_kv, S, d); logit_add: (Bz, H_kv, T, S), the bias where a key
+    may be attended and -inf where not. Returns (Bz, H_kv, G, T, d)."""
+    d = q.shape[-1]
+    s = fp32(q) * (1.0 / math.sqrt(d)) @ fp32(k)[:, :, None].transpose(-1, -2)  # (Bz, H_kv, G, T, S)
+    p = torch.softmax(s + logit_add[:, :, None], dim=-1)
+    return p @ fp32(v)[:, :, None]
+
+
 def sparse_attention(q, k, v, bias, block_mask, q_pos, cfg):
     """o_t = Σ_{j in selected blocks, j <= t} softmax_j(q_t·k_j/√d + bias_j) v_j.
 
@@ -171,18 +183,13 @@ def sparse_attention(q, k, v, bias, block_mask, q_pos, cfg):
     Logits, bias and softmax in fp32 (METHOD.md §3.6); the bias is added after the 1/√d scale."""
     Bz, H_q, T, d = q.shape
     H_kv, S = k.shape[1], k.shape[2]
-    G = H_q // H_kv
-    qg = q.view(Bz, H_kv, G, T, d)
-    s = torch.einsum("bhgtd,bhsd->bhgts", fp32(qg), fp32(k)) / math.sqrt(d)  # (Bz, H_kv, G, T, S)
-    if bias is not None:
-        s = s + fp32(bias)[:, :, None, None, :]
     j = torch.arange(S, device=q.device)
     allowed = (j <= q_pos[..., None])[:, None]  # (Bz, 1, T, S) causal
     if block_mask is not None:
         allowed = allowed & block_mask[..., j // cfg.B]  # (Bz, H_kv, T, S)
-    s = s.masked_fill(~allowed[:, :, None], float("-inf"))
-    p = torch.softmax(s, dim=-1)
-    o = torch.einsum("bhgts,bhsd->bhgtd", p, fp32(v))  # (Bz, H_kv, G, T, d)
+    bias = fp32(bias)[:, :, None, :] if bias is not None else torch.zeros((), device=q.device, dtype=fp32(q).dtype)
+    logit_add = torch.where(allowed, bias, float("-inf"))  # (Bz, H_kv, T, S)
+    o = attend(q.view(Bz, H_kv, H_q // H_kv, T, d), k, v, logit_add)  # (Bz, H_kv, G, T, d)
     return o.reshape(Bz, H_q, T, d).to(q.dtype)
 
 

@@ -33,6 +33,7 @@ import warnings
 import torch
 
 import eviction
+import nosa
 from model import SubBlockCache, grow
 from pooling import fp32
 
@@ -308,12 +309,9 @@ def slot_attention(q, pool, tail, slot_block, c, pos, cfg):
     tok = blk[..., None] * B + torch.arange(B, device=q.device)  # (Bz, H, k+1, B) token positions
     valid = (blk[..., None] >= 0) & (tok <= pos[:, None, None, None])
     keys, vals = kv[:, :, :, 0].reshape(Bz, H, -1, d), kv[:, :, :, 1].reshape(Bz, H, -1, d)
-    bias = None
+    logit_add = torch.zeros((), device=q.device, dtype=fp32(q).dtype)
     if cfg.attn in ("nosa", "dma"):
-        bias = eviction.attention_bias(c.gather(2, tok.clamp(0, c.shape[2] - 1).view(Bz, H, -1)), cfg.attn)  # (Bz, H, (k+1)B)
-    s = torch.einsum("bhgd,bhsd->bhgs", fp32(q.view(Bz, H, H_q // H, d)), fp32(keys)) / math.sqrt(d)
-    if bias is not None:
-        s = s + bias[:, :, None]
-    s = s.masked_fill(~valid.view(Bz, H, 1, -1), float("-inf"))
-    o = torch.einsum("bhgs,bhsd->bhgd", torch.softmax(s, -1), fp32(vals))
+        logit_add = eviction.attention_bias(c.gather(2, tok.clamp(0, c.shape[2] - 1).view(Bz, H, -1)), cfg.attn)
+    logit_add = torch.where(valid.view(Bz, H, -1), logit_add, float("-inf"))[:, :, None]  # (Bz, H, 1, (k+1)B)
+    o = nosa.attend(q.view(Bz, H, H_q // H, 1, d), keys, vals, logit_add)  # (Bz, H, G, 1, d)
     return o.reshape(Bz, H_q, 1, d).to(q.dtype)

@@ -58,6 +58,7 @@ def max_to_blocks(x, nb, cfg):
     return xm.masked_fill(~valid, float("-inf")).amax(-1)  # (..., nb)
 
 
+@torch.amp.autocast("cuda", enabled=False)  # scores, bias and softmax stay in fp32 under bf16 autocast
 def query_aware_scores(q, K_sub, q_pos, nb, cfg):
     """Q[t, b]: q (Bz, H_q, T, d), K̃ (Bz, H_kv, M, d), q_pos (Bz, T) absolute positions -> (Bz, H_kv, T, nb).
 

@@ -1,0 +1,248 @@
+"""
+Train a NOSA model (or one of its baselines) on text that every machine has: the Python standard
+library's own source and its pydoc topics, read from the running interpreter. No download.
+
+    python train.py                                   # tiny preset, NOSA, CPU (~10 min) or GPU
+    python train.py --attn full --out checkpoints/tiny-full
+    python train.py --data my_texts/ --steps 5000     # any other text files
+    torchrun --nproc_per_node=2 train.py              # DistributedDataParallel (gloo on CPU, NCCL on GPUs)
+
+The sparse pattern is the same in training and in decoding (nosa.py), so the model learns to use
+exactly the blocks it will see at inference. Checkpoints: checkpoint.py.
+"""
+import argparse
+import glob
+import hashlib
+import json
+import math
+import os
+import sysconfig
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import checkpoint
+from model import Transformer
+from nosa import Config
+
+EOT = "<|endoftext|>"
+
+
+# -----------------------------------------------------------------------------
+# Data: documents -> byte-level BPE -> token streams cached on disk
+
+
+def documents(data=None):
+    """(name, text) pairs: the files under `data` (a file or a directory), else the standard library's
+    .py sources and pydoc topics."""
+    if data:
+        paths = [data] if os.path.isfile(data) else sorted(
+            p for p in glob.glob(os.path.join(data, "**", "*"), recursive=True) if os.path.isfile(p))
+        if not paths:
+            raise FileNotFoundError(f"--data {data!r}: no files found; give a text file or a directory of them")
+    else:
+        root = sysconfig.get_paths()["stdlib"]
+        paths = sorted(p for p in glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
+                       if "site-packages" not in p)
+        from pydoc_data import topics
+        yield from ((f"pydoc:{k}", v) for k, v in sorted(topics.topics.items()))
+    for p in paths:
+        with open(p, encoding="utf-8", errors="replace") as f:
+            yield p, f.read()
+
+
+def is_val(name):
+    """Split by document (5% to validation), stable across machines and runs."""
+    return int(hashlib.sha1(os.path.basename(name).encode()).hexdigest(), 16) % 20 == 0
+
+
+def prepare(data_dir, vocab_size, data=None):
+    """Train the tokenizer and write train.bin / val.bin (uint16 tokens) once; reuse them after."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok_path = os.path.join(data_dir, "tokenizer.json")
+    if all(os.path.exists(os.path.join(data_dir, f)) for f in ("tokenizer.json", "train.bin", "val.bin")):
+        return Tokenizer.from_file(tok_path)
+    os.makedirs(data_dir, exist_ok=True)
+    docs = list(documents(data))
+    val = {name for name, _ in docs if is_val(name)} or {docs[0][0]}  # a tiny corpus still gets a val document
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator((text for name, text in docs if name not in val), trainer)
+    eot = tok.token_to_id(EOT)
+    for split in ("train", "val"):
+        texts = [text for name, text in docs if (name in val) == (split == "val")]
+        ids = [i for enc in tok.encode_batch(texts) for i in enc.ids + [eot]]
+        np.array(ids, dtype=np.uint16).tofile(os.path.join(data_dir, f"{split}.bin"))
+    tok.save(tok_path)
+    return tok
+
+
+def get_batch(data, batch_size, T, seed, step, rank, device):
+    """Random windows of T+1 tokens; the draw depends only on (seed, step, rank), so a resumed run
+    sees exactly the batches the uninterrupted one would have."""
+    rng = np.random.default_rng([seed, step, rank])
+    ix = rng.integers(0, len(data) - T - 1, size=batch_size)
+    x = torch.from_numpy(np.stack([data[i:i + T + 1].astype(np.int64) for i in ix]))
+    x = x.to(device, non_blocking=True)
+    return x[:, :-1], x[:, 1:]
+
+
+# -----------------------------------------------------------------------------
+# Training
+
+
+def lr_at(step, steps, lr, warmup):
+    """Linear warm-up, then cosine decay to lr / 10."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    frac = (step - warmup) / max(1, steps - warmup)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+
+
+@torch.no_grad()
+def evaluate(model, val, batch_size, T, device, n_batches=8):
+    model.eval()
+    losses = []
+    for i in range(n_batches):  # the same windows every time
+        x, y = get_batch(val, batch_size, T, seed=0, step=i, rank=0, device=device)
+        with torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"):
+            logits = model(x)
+        losses.append(F.cross_entropy(logits.float().flatten(0, 1), y.flatten()).item())
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def main(preset="tiny", attn="nosa", out="checkpoints/tiny-nosa", data=None, data_dir="data", steps=120,
+         batch_size=4, seq_len=1024, lr=3e-3, warmup=20, weight_decay=0.1, grad_clip=1.0, eval_every=40,
+         seed=1337, device=None, resume=False, stop_at=None, save_bf16=False, log_every=10, **overrides):
+    """Train; returns (model, last validation loss). `overrides` go to the Config (tests use tiny shapes)."""
+    ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if ddp:
+        backend = "nccl" if torch.cuda.is_available() and device != "cpu" else "gloo"
+        dist.init_process_group(backend)
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+            device = f"cuda:{os.environ['LOCAL_RANK']}"
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    master = rank == 0
+
+    cfg = Config.from_preset(preset, attn=attn, **overrides)  # invalid configs fail here, before any work
+    if seq_len > cfg.max_seq_len:
+        raise ValueError(f"--seq-len {seq_len} exceeds the preset's max_seq_len {cfg.max_seq_len}")
+    data_dir = os.path.join(data_dir, hashlib.sha1(f"{data}|{cfg.vocab_size}".encode()).hexdigest()[:10])
+    if master:
+        tok = prepare(data_dir, cfg.vocab_size, data)
+    if ddp:
+        dist.barrier()
+    if not master:
+        tok = prepare(data_dir, cfg.vocab_size, data)  # loads what rank 0 wrote
+    train_data = np.memmap(os.path.join(data_dir, "train.bin"), dtype=np.uint16, mode="r")
+    val_data = np.memmap(os.path.join(data_dir, "val.bin"), dtype=np.uint16, mode="r")
+    if min(len(train_data), len(val_data)) <= seq_len + 1:
+        raise ValueError(f"corpus too small for --seq-len {seq_len}: {len(train_data)} train / {len(val_data)} val "
+                         f"tokens; give more text or a shorter --seq-len")
+
+    torch.manual_seed(seed)
+    model = Transformer(cfg).to(device)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95),
+                            fused=device.type == "cuda")
+    step = 0
+    if resume:
+        model_r, _ = checkpoint.load(out, device, dtype=torch.float32)
+        if model_r.cfg != cfg:
+            raise ValueError(f"--resume: the checkpoint in {out!r} has another config ({model_r.cfg.attn}, "
+                             f"{model_r.cfg.n_layer} layers); use its flags or another --out")
+        model.load_state_dict(model_r.state_dict())
+        state = json.load(open(os.path.join(out, "train_state.json")))
+        opt.load_state_dict(torch.load(os.path.join(out, "optimizer.pt"), map_location=device, weights_only=True))
+        step = state["step"]
+        if master:
+            print(f"resumed from {out} at step {step}")
+    raw = model
+    if ddp:
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+    n_params = sum(p.numel() for p in raw.parameters())
+    if master:
+        print(f"{attn} | {n_params / 1e6:.2f}M parameters | {len(train_data) / 1e6:.1f}M train tokens | "
+              f"{steps} steps x {batch_size * world} x {seq_len} tokens | {device}")
+    t0, t_last, val_loss = time.time(), time.time(), None
+    start = step
+    stop_at = min(stop_at or steps, steps)
+    while step < stop_at:
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, steps, lr, warmup)
+        x, y = get_batch(train_data, batch_size, seq_len, seed, step, rank, device)
+        with torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"):
+            logits = model(x)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        opt.step()
+        step += 1
+        if master and (step % log_every == 0 or step == steps):
+            dt = time.time() - t_last
+            t_last = time.time()
+            tps = log_every * batch_size * world * seq_len / dt
+            left = (time.time() - t0) / (step - start) * (steps - step)
+            print(f"step {step}/{steps} | loss {loss.item():.3f} | lr {lr_at(step, steps, lr, warmup):.2e} | "
+                  f"{tps:.0f} tokens/s | {left / 60:.1f} min left", flush=True)
+        if master and (step % eval_every == 0 or step == stop_at):
+            val_loss = evaluate(raw, val_data, batch_size, seq_len, device)
+            print(f"step {step} | val loss {val_loss:.3f}", flush=True)
+            checkpoint.save(raw, tok, out, dtype=torch.bfloat16 if save_bf16 else None,
+                            extra=dict(step=step, steps=steps, val_loss=val_loss, seed=seed, seq_len=seq_len,
+                                       batch_size=batch_size * world, attn=attn, data=data or "stdlib"))
+            torch.save(opt.state_dict(), os.path.join(out, "optimizer.pt"))
+    if ddp:
+        dist.destroy_process_group()
+    return raw, val_loss
+
+
+def parse_overrides(items):
+    """["k=32", "attn=dma"] -> {"k": 32, "attn": "dma"}, typed like the Config fields."""
+    defaults, out = Config(), {}
+    for item in items:
+        key, _, val = item.partition("=")
+        if not hasattr(defaults, key) or key.startswith("_"):
+            raise SystemExit(f"--set {item}: unknown config field {key!r}; see nosa.Config")
+        typ = type(getattr(defaults, key))
+        out[key] = val.lower() in ("1", "true", "yes") if typ is bool else typ(val)
+    return out
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description="Train a NOSA model on an offline corpus.")
+    p.add_argument("--preset", default="tiny", help="config preset (nosa.PRESETS)")
+    p.add_argument("--attn", default="nosa", choices=["nosa", "full", "infllmv2", "dma"], help="attention mode")
+    p.add_argument("--out", default="checkpoints/tiny-nosa", help="checkpoint directory")
+    p.add_argument("--data", help="a text file or directory (default: the Python standard library)")
+    p.add_argument("--data-dir", default="data", help="where the tokenizer and token streams are cached")
+    p.add_argument("--steps", type=int, default=120, help="optimizer steps (the length of the schedule)")
+    p.add_argument("--stop-at", type=int, help="checkpoint and stop after this step; --resume continues")
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per step (per process)")
+    p.add_argument("--seq-len", type=int, default=1024, help="training length in tokens")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument("--warmup", type=int, default=20, help="warm-up steps")
+    p.add_argument("--eval-every", type=int, default=40, help="validate and checkpoint every N steps")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--resume", action="store_true", help="continue the run saved in --out")
+    p.add_argument("--save-bf16", action="store_true", help="store weights in bf16 (half the size)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a config field of the preset, e.g. --set k=32 --set n_layer=6")
+    a = p.parse_args()
+    main(a.preset, a.attn, a.out, a.data, a.data_dir, a.steps, a.batch_size, a.seq_len, a.lr, a.warmup,
+         eval_every=a.eval_every, seed=a.seed, device=a.device, resume=a.resume, stop_at=a.stop_at,
+         save_bf16=a.save_bf16, **parse_overrides(a.set))
