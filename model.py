@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import attention
 import eviction
 import nosa
 import pooling
@@ -294,8 +295,8 @@ class KVCache:
         S = int(self.len_cpu.max()) + 1
         c = self.c[layer][:, :, :S] if self.cfg.attn in ("nosa", "dma") else None
         bias = None if c is None else eviction.attention_bias(c, self.cfg.attn)
-        return nosa.sparse_attention(q, self.k[layer][:, :, :S], self.v[layer][:, :, :S], bias, block_mask,
-                                     self.len[:, None], self.cfg)
+        return attention.sparse_attention(q, self.k[layer][:, :, :S], self.v[layer][:, :, :S], bias, block_mask,
+                                          self.len[:, None], self.cfg)
 
     def _grow(self, layer, n):
         self.k[layer], self.v[layer] = grow(self.k[layer], n, 2), grow(self.v[layer], n, 2)

@@ -35,9 +35,9 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+import attention
 import eviction
 import pooling
-from pooling import fp32
 
 MODES = ("full", "infllmv2", "dma", "nosa")
 
@@ -159,40 +159,6 @@ def core_mask(E, q_pos, cfg):
     return eviction.core_blocks(E.unsqueeze(-2).expand(*cand.shape), cand, cfg.k_e - cfg.n_forced)
 
 
-# -----------------------------------------------------------------------------
-# Block-sparse attention with a per-token additive bias (torch twin; the reference for kernels)
-
-
-@torch.amp.autocast("cuda", enabled=False)  # scores, bias and softmax stay in fp32 under bf16 autocast
-def attend(q, k, v, logit_add):
-    """softmax(q·k/√d + logit_add) v for G query heads per KV head, in fp32 (or fp64).
-
-    q: (Bz, H_kv, G, T, d); k, v: (Bz, H_kv, S, d); logit_add: (Bz, H_kv, T, S), the bias where a key
-    may be attended and -inf where not. Returns (Bz, H_kv, G, T, d)."""
-    d = q.shape[-1]
-    s = fp32(q) * (1.0 / math.sqrt(d)) @ fp32(k)[:, :, None].transpose(-1, -2)  # (Bz, H_kv, G, T, S)
-    p = torch.softmax(s + logit_add[:, :, None], dim=-1)
-    return p @ fp32(v)[:, :, None]
-
-
-def sparse_attention(q, k, v, bias, block_mask, q_pos, cfg):
-    """o_t = Σ_{j in selected blocks, j <= t} softmax_j(q_t·k_j/√d + bias_j) v_j.
-
-    q: (Bz, H_q, T, d); k, v: (Bz, H_kv, S, d) keys at positions 0..S-1; bias: (Bz, H_kv, S) or None;
-    block_mask: (Bz, H_kv, T, nb) or None (all causal); q_pos: (Bz, T). Returns (Bz, H_q, T, d).
-    Logits, bias and softmax in fp32 (METHOD.md §3.6); the bias is added after the 1/√d scale."""
-    Bz, H_q, T, d = q.shape
-    H_kv, S = k.shape[1], k.shape[2]
-    j = torch.arange(S, device=q.device)
-    allowed = (j <= q_pos[..., None])[:, None]  # (Bz, 1, T, S) causal
-    if block_mask is not None:
-        allowed = allowed & block_mask[..., j // cfg.B]  # (Bz, H_kv, T, S)
-    bias = fp32(bias)[:, :, None, :] if bias is not None else torch.zeros((), device=q.device, dtype=fp32(q).dtype)
-    logit_add = torch.where(allowed, bias, float("-inf"))  # (Bz, H_kv, T, S)
-    o = attend(q.view(Bz, H_kv, H_q // H_kv, T, d), k, v, logit_add)  # (Bz, H_kv, G, T, d)
-    return o.reshape(Bz, H_q, T, d).to(q.dtype)
-
-
 def nosa_attention(q, k, v, c, cfg):
     """Training / prefill forward of one attention layer over a whole sequence from position 0.
 
@@ -201,7 +167,7 @@ def nosa_attention(q, k, v, c, cfg):
     Bz, _, T, _ = q.shape
     q_pos = torch.arange(T, device=q.device).expand(Bz, T)
     if cfg.attn == "full":
-        return sparse_attention(q, k, v, None, None, q_pos, cfg), None
+        return attention.sparse_attention(q, k, v, None, None, q_pos, cfg), None
     with torch.no_grad():
         nb = pooling.n_blocks(T, cfg)
         Q = pooling.query_aware_scores(q, pooling.compress_keys(k, cfg), q_pos, nb, cfg)  # (Bz, H_kv, T, nb)
@@ -211,4 +177,4 @@ def nosa_attention(q, k, v, c, cfg):
             E = eviction.eviction_block_scores(pooling.pool_mean(c, cfg), nb, cfg)  # (Bz, H_kv, nb)
         block_mask = select_blocks(Q, E, q_pos[:, None], cfg)
     bias = None if c is None else eviction.attention_bias(c, cfg.attn)
-    return sparse_attention(q, k, v, bias, block_mask, q_pos, cfg), block_mask
+    return attention.sparse_attention(q, k, v, bias, block_mask, q_pos, cfg), block_mask

@@ -7,8 +7,8 @@ tail block, the one being written.
 
   host store   (R, cap, 2, B, d)  every completed block of every row; pinned when CUDA is present;
                                   nothing is ever deleted; grows by doubling
-  slot pool    (R, k, 2, B, d)    on the GPU: the selected blocks other than the tail
-  tail         (R, 2, B, d)       on the GPU: the block being written
+  slot pool    (R, k+1, 2, B, d)  on the GPU: slots 0..k-1 hold the selected blocks other than the tail,
+                                  slot k the tail: the block being written
   slot_block   (R, k)             slot -> block id, -1 = free
   block_slot   (R, cap)           block -> slot, -1 = not resident
   c            (Bz, H_kv, S)      the eviction score of every token stays on the GPU (1/2d of K+V),
@@ -32,10 +32,9 @@ import warnings
 
 import torch
 
+import attention
 import eviction
-import nosa
 from model import SubBlockCache, grow
-from pooling import fp32
 
 
 # -----------------------------------------------------------------------------
@@ -179,8 +178,8 @@ class OffloadCache:
         self.len = torch.zeros(Bz, dtype=torch.long, device=device)
         self.len_cpu = torch.zeros(Bz, dtype=torch.long)
         self.host = [self._host_alloc(R, cap, dtype) for _ in range(L)]
-        self.pool = [torch.zeros(R, k, 2, B, d, dtype=dtype, device=device) for _ in range(L)]
-        self.tail = [torch.zeros(R, 2, B, d, dtype=dtype, device=device) for _ in range(L)]
+        self.pool = [torch.zeros(R, k + 1, 2, B, d, dtype=dtype, device=device) for _ in range(L)]
+        self.tail = [p[:, k] for p in self.pool]  # the last slot holds the tail block
         self.slot_block = [torch.full((R, k), -1, dtype=torch.long, device=device) for _ in range(L)]
         self.block_slot = [torch.full((R, cap), -1, dtype=torch.long, device=device) for _ in range(L)]
         self.fetch = [torch.full((R, k), -1, dtype=torch.long, device=device) for _ in range(L)]
@@ -263,8 +262,8 @@ class OffloadCache:
         self.stats.needed[layer] += need.sum()
         self.stats.moved[layer] += (self.fetch[layer] >= 0).sum()
         self._timed_gather(layer)
-        o = slot_attention(q, self.pool[layer], self.tail[layer], self.slot_block[layer], self.c[layer],
-                           self.len, cfg)
+        bias = eviction.attention_bias(self.c[layer], cfg.attn) if cfg.attn in ("nosa", "dma") else None
+        o = attention.slot_attention(q, self.pool[layer], self.slot_block[layer], bias, self.len, B)
         self._flush_full_tails(layer, pos, q_blk)
         return o
 
@@ -294,24 +293,3 @@ class OffloadCache:
         self.pool[layer][r, free] = self.tail[layer][r]
         self.slot_block[layer][r, free] = q_blk[r]
         self.block_slot[layer][r, q_blk[r]] = free
-
-
-def slot_attention(q, pool, tail, slot_block, c, pos, cfg):
-    """Decode attention over the resident blocks (torch twin of the slot-pool decode kernel).
-
-    q (Bz, H_q, 1, d); pool (R, k, 2, B, d); tail (R, 2, B, d); slot_block (R, k); c (Bz, H_kv, S);
-    pos (Bz,). Every resident block is selected (set_difference evicted the rest), so the tokens are
-    the k slots plus the tail up to pos. Same softmax(q·k/√d + bias) as nosa.sparse_attention."""
-    Bz, H_q, _, d = q.shape
-    H, B, k = cfg.H_kv, cfg.B, cfg.k
-    kv = torch.cat([pool, tail[:, None]], 1).view(Bz, H, k + 1, 2, B, d)
-    blk = torch.cat([slot_block, (pos // B).repeat_interleave(H)[:, None]], 1).view(Bz, H, k + 1)
-    tok = blk[..., None] * B + torch.arange(B, device=q.device)  # (Bz, H, k+1, B) token positions
-    valid = (blk[..., None] >= 0) & (tok <= pos[:, None, None, None])
-    keys, vals = kv[:, :, :, 0].reshape(Bz, H, -1, d), kv[:, :, :, 1].reshape(Bz, H, -1, d)
-    logit_add = torch.zeros((), device=q.device, dtype=fp32(q).dtype)
-    if cfg.attn in ("nosa", "dma"):
-        logit_add = eviction.attention_bias(c.gather(2, tok.clamp(0, c.shape[2] - 1).view(Bz, H, -1)), cfg.attn)
-    logit_add = torch.where(valid.view(Bz, H, -1), logit_add, float("-inf"))[:, :, None]  # (Bz, H, 1, (k+1)B)
-    o = nosa.attend(q.view(Bz, H, H_q // H, 1, d), keys, vals, logit_add)  # (Bz, H, G, 1, d)
-    return o.reshape(Bz, H_q, 1, d).to(q.dtype)

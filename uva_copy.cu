@@ -54,14 +54,15 @@ constexpr int THREADS = 256;
 constexpr int UNROLL = 4;  // 16-byte loads each thread keeps in flight before it stores
 
 __global__ void gather_units_kernel(const int4* __restrict__ host,    // (R, cap, U16) in pinned memory
-                                    int4* __restrict__ pool,          // (R, k, U16) on the device
+                                    int4* __restrict__ pool,          // (R, n_slots >= k, U16) on the device
                                     const int64_t* __restrict__ fetch,  // (R, k)
-                                    int64_t k, int64_t cap, int64_t U16) {
+                                    int64_t k, int64_t n_slots, int64_t cap, int64_t U16) {
   int64_t rs = blockIdx.x;  // (row, slot)
   int64_t b = fetch[rs];
   if (b < 0) return;
-  const int4* src = host + ((rs / k) * cap + b) * U16;
-  int4* dst = pool + rs * U16;
+  int64_t row = rs / k, slot = rs % k;
+  const int4* src = host + (row * cap + b) * U16;
+  int4* dst = pool + (row * n_slots + slot) * U16;
   for (int64_t base = threadIdx.x; base < U16; base += (int64_t)THREADS * UNROLL) {
     int4 buf[UNROLL];
 #pragma unroll
@@ -104,16 +105,17 @@ void gather_units(torch::Tensor host, torch::Tensor pool, torch::Tensor fetch) {
   TORCH_CHECK(pool.is_cuda() && fetch.is_cuda() && fetch.scalar_type() == torch::kInt64, "uva_copy: bad pool/fetch");
   TORCH_CHECK(host.is_contiguous() && pool.is_contiguous() && fetch.is_contiguous(), "contiguous tensors expected");
   TORCH_CHECK(host.scalar_type() == pool.scalar_type(), "host and pool dtypes differ");
-  int64_t R = host.size(0), cap = host.size(1), k = pool.size(1);
+  int64_t R = host.size(0), cap = host.size(1), k = fetch.size(1), n_slots = pool.size(1);
   int64_t unit_bytes = host.numel() / (R * cap) * host.element_size();
   TORCH_CHECK(unit_bytes % 16 == 0, "uva_copy: a unit must be a multiple of 16 bytes");
-  TORCH_CHECK(pool.size(0) == R && fetch.size(0) == R && fetch.size(1) == k, "uva_copy: shapes disagree");
+  TORCH_CHECK(pool.size(0) == R && fetch.size(0) == R && n_slots >= k, "uva_copy: shapes disagree");
+  TORCH_CHECK(pool.numel() / (R * n_slots) * pool.element_size() == unit_bytes, "uva_copy: unit sizes differ");
   if (R * k == 0) return;
   void* dev_ptr = nullptr;
   CHECK_CUDA(cudaHostGetDevicePointer(&dev_ptr, host.data_ptr(), 0));
   gather_units_kernel<<<R * k, THREADS, 0, at::cuda::getCurrentCUDAStream()>>>(
-      static_cast<const int4*>(dev_ptr), static_cast<int4*>(pool.data_ptr()), fetch.data_ptr<int64_t>(), k, cap,
-      unit_bytes / 16);
+      static_cast<const int4*>(dev_ptr), static_cast<int4*>(pool.data_ptr()), fetch.data_ptr<int64_t>(), k, n_slots,
+      cap, unit_bytes / 16);
   CHECK_CUDA(cudaGetLastError());
 }
 

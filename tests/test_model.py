@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+import attention
 import eviction
 import nosa
 from model import KVCache, Transformer, sample
@@ -75,7 +76,7 @@ def test_sparse_attention_matches_explicit_loop():
     bias = torch.randn(Bz, cfg.H_kv, T, dtype=torch.float64)
     mask = torch.rand(Bz, cfg.H_kv, T, 5) < 0.5
     mask[..., torch.arange(T), torch.arange(T) // cfg.B] = True  # own block
-    o = nosa.sparse_attention(q, k, v, bias, mask, torch.arange(T)[None], cfg)
+    o = attention.sparse_attention_torch(q, k, v, bias, mask, torch.arange(T)[None], cfg.B)
     G = cfg.G
     for h in range(cfg.H_q):
         hk = h // G
@@ -96,7 +97,7 @@ def test_gradcheck_attention_and_eviction_head():
     pos = torch.arange(T)[None]
     args = [torch.randn(1, 4, T, 4), torch.randn(1, 2, T, 4), torch.randn(1, 2, T, 4), torch.randn(1, 2, T)]
     args = [a.double().requires_grad_() for a in args]
-    assert torch.autograd.gradcheck(lambda q, k, v, c: nosa.sparse_attention(q, k, v, c, mask, pos, cfg), args)
+    assert torch.autograd.gradcheck(lambda q, k, v, c: attention.sparse_attention_torch(q, k, v, c, mask, pos, cfg.B), args)
     v = torch.randn(1, 2, T, 4, dtype=torch.float64, requires_grad=True)
     A = torch.randn(2, dtype=torch.float64, requires_grad=True)
     W = torch.randn(2, 8, dtype=torch.float64, requires_grad=True)
