@@ -2,6 +2,8 @@
 Benchmarks, run on the GPU machine; every figure is a ratio against a limit measured in the same run.
 
     python bench.py gather [--json out.json]     # UVA gather vs contiguous pinned copy (PCIe roofline)
+    python bench.py prefill                      # sparse attention fwd+bwd vs dense SDPA (flash), paper defaults
+    python bench.py decode                       # decode kernels vs HBM bandwidth, batch 1..64
 
 Record results with their command in BENCHMARKS.md.
 """
@@ -11,8 +13,12 @@ import statistics
 import time
 
 import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
 
+import attention
 import offload
+from nosa import Config
 
 
 def wall(fn, reps=20, warmup=3):
@@ -91,11 +97,100 @@ def bench_gather(store_gib=4.0, moved_mib=64, k=64):
     return rows
 
 
+def paper_mask(Bz, H_kv, T, cfg, device):
+    """A selection with the shape of the real one at the paper defaults: sink, window and own block,
+    plus random other causal blocks up to k (the kernels' cost does not depend on which)."""
+    nb = T // cfg.B
+    t_blk = torch.arange(T, device=device) // cfg.B
+    b = torch.arange(nb, device=device)
+    score = torch.rand(Bz, H_kv, T, nb, device=device)
+    forced = (b < cfg.n_sink) | ((b >= t_blk[:, None] - cfg.n_win) & (b <= t_blk[:, None]))
+    score = torch.where(forced, 2.0, score).masked_fill(b > t_blk[:, None], -1.0)
+    top = score.topk(cfg.k, -1).indices
+    mask = torch.zeros(Bz, H_kv, T, nb, dtype=torch.bool, device=device).scatter_(-1, top, True)
+    return mask & (b <= t_blk[:, None])
+
+
+def bench_prefill(H_q=32, H_kv=2, d=128):
+    """Training / prefill attention, forward + backward, bf16: NOSA kernel vs dense causal SDPA."""
+    cfg = Config.from_preset("paper")
+    rows = []
+    for T in (8192, 16384, 32768):
+        q = torch.randn(1, H_q, T, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.randn(1, H_kv, T, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+        c = torch.randn(1, H_kv, T, device="cuda", requires_grad=True)
+        mask, pos = paper_mask(1, H_kv, T, cfg, "cuda"), torch.arange(T, device="cuda")[None]
+        do = torch.randn_like(q)
+
+        def nosa_fb():
+            attention.SparseAttention.apply(q, k, v, c, mask, pos, cfg.B, cfg.k).backward(do)
+
+        def nosa_f():
+            attention.SparseAttention.apply(q, k, v, c, mask, pos, cfg.B, cfg.k)
+
+        def sdpa_fb():
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).backward(do)
+
+        def sdpa_f():
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+        t = {n: do_bench(f, warmup=50, rep=300, return_mode="median") for n, f in
+             (("nosa_fwd", nosa_f), ("nosa_fwd_bwd", nosa_fb), ("sdpa_fwd", sdpa_f), ("sdpa_fwd_bwd", sdpa_fb))}
+        rows.append(dict(T=T, **{f"{n}_ms": round(x, 3) for n, x in t.items()},
+                         speedup_fwd_bwd=round(t["sdpa_fwd_bwd"] / t["nosa_fwd_bwd"], 2)))
+    return rows
+
+
+def hbm_bandwidth():
+    x = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_()
+    y = torch.empty_like(x)
+    t = do_bench(lambda: y.copy_(x), warmup=20, rep=200, return_mode="median")
+    return 2 * x.numel() / (t * 1e-3) / 1e9  # bytes read + written
+
+
+def bench_decode(H_q=32, H_kv=2, d=128):
+    """One decode step of one layer's attention at the paper defaults: the slot-pool kernel (offload)
+    and the sparse kernel over a resident cache read k blocks per row; dense SDPA reads the context."""
+    cfg = Config.from_preset("paper")
+    hbm = hbm_bandwidth()
+    rows = []
+    for Bz in (1, 4, 16, 64):
+        for ctx in (32768, 131072):
+            if Bz * ctx > 64 * 32768 * 2:  # keep the resident cache within a few GB
+                continue
+            R = Bz * H_kv
+            q = torch.randn(Bz, H_q, 1, d, device="cuda", dtype=torch.bfloat16)
+            pool = torch.randn(R, cfg.k + 1, 2, cfg.B, d, device="cuda", dtype=torch.bfloat16)
+            slot_block = torch.stack([torch.randperm(ctx // cfg.B - 1, device="cuda")[:cfg.k] for _ in range(R)])
+            pos = torch.full((Bz,), ctx - 1, device="cuda")
+            bias = torch.randn(Bz, H_kv, ctx, device="cuda")
+            t_slot = do_bench(lambda: attention.slot_attention(q, pool, slot_block, bias, pos, cfg.B),
+                              warmup=20, rep=200, return_mode="median")
+            kk, vv = (torch.randn(Bz, H_kv, ctx, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            nb = ctx // cfg.B
+            mask = torch.zeros(Bz, H_kv, 1, nb, dtype=torch.bool, device="cuda")
+            mask.scatter_(-1, torch.stack([torch.randperm(nb, device="cuda")[:cfg.k] for _ in range(R)]).view(
+                Bz, H_kv, 1, -1), True)
+            mask[..., -1] = True
+            qpos = pos[:, None]
+            t_res = do_bench(lambda: attention.SparseAttention.apply(q, kk, vv, bias, mask, qpos, cfg.B, cfg.k),
+                             warmup=20, rep=200, return_mode="median")
+            t_sdpa = do_bench(lambda: F.scaled_dot_product_attention(q, kk, vv, enable_gqa=True),
+                              warmup=20, rep=200, return_mode="median")
+            sel_bytes = R * (cfg.k + 1) * 2 * cfg.B * d * 2  # K and V of the selected blocks, bf16
+            rows.append(dict(batch=Bz, context=ctx, slot_kernel_us=round(t_slot * 1e3, 1),
+                             slot_GB_s=round(sel_bytes / t_slot / 1e6, 1),
+                             slot_of_hbm=round(sel_bytes / t_slot / 1e6 / hbm, 3),
+                             resident_kernel_us=round(t_res * 1e3, 1), sdpa_full_us=round(t_sdpa * 1e3, 1),
+                             hbm_GB_s=round(hbm, 1)))
+    return rows
+
+
 def main(what, json_path=None):
     if not torch.cuda.is_available():
         raise SystemExit("bench.py measures the GPU machine: no CUDA device here")
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__}")
-    rows = bench_gather() if what == "gather" else None
+    rows = dict(gather=bench_gather, prefill=bench_prefill, decode=bench_decode)[what]()
     if json_path:
         with open(json_path, "w") as f:
             json.dump(rows, f, indent=1)
@@ -107,7 +202,7 @@ def main(what, json_path=None):
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description="NOSA / NOSI benchmarks (GPU)")
-    p.add_argument("what", choices=["gather"], help="which benchmark")
+    p.add_argument("what", choices=["gather", "prefill", "decode"], help="which benchmark")
     p.add_argument("--json", help="also write the rows to this file")
     a = p.parse_args()
     main(a.what, a.json)
