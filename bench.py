@@ -169,9 +169,9 @@ def bench_decode(H_q=32, H_kv=2, d=128):
             kk, vv = (torch.randn(Bz, H_kv, ctx, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
             nb = ctx // cfg.B
             mask = torch.zeros(Bz, H_kv, 1, nb, dtype=torch.bool, device="cuda")
-            mask.scatter_(-1, torch.stack([torch.randperm(nb, device="cuda")[:cfg.k] for _ in range(R)]).view(
+            mask.scatter_(-1, torch.stack([torch.randperm(nb - 1, device="cuda")[:cfg.k - 1] for _ in range(R)]).view(
                 Bz, H_kv, 1, -1), True)
-            mask[..., -1] = True
+            mask[..., -1] = True  # the query's own block
             qpos = pos[:, None]
             t_res = do_bench(lambda: attention.SparseAttention.apply(q, kk, vv, bias, mask, qpos, cfg.B, cfg.k),
                              warmup=20, rep=200, return_mode="median")
