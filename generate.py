@@ -42,15 +42,20 @@ def main(checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, prompt=DEFAULT_PROMPT, ma
     ids = tokenizer.encode(prompt).ids
     if not ids:
         raise ValueError("the prompt is empty after tokenisation; give some text with --prompt")
-    cache = None
-    if offload:
+    def new_cache():
+        if not offload:
+            return None
         import offload as nosi
-        cache = nosi.OffloadCache(model.cfg, batch, device, model.embed_tokens.weight.dtype,
-                                  max_len=len(ids) + max_new_tokens)
+        return nosi.OffloadCache(model.cfg, batch, device, model.embed_tokens.weight.dtype,
+                                 max_len=len(ids) + max_new_tokens)
 
+    if device.startswith("cuda"):  # warm-up: build uva_copy.cu and compile the kernels outside the timing
+        model.generate([ids] * batch, 2, temperature, top_k, cache=new_cache())
+        torch.cuda.synchronize()
+    cache = new_cache()
     t0 = time.perf_counter()
     out = model.generate([ids] * batch, max_new_tokens, temperature, top_k, cache=cache)
-    if device == "cuda":
+    if device.startswith("cuda"):
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     if not quiet:
