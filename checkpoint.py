@@ -1,13 +1,19 @@
 """
-Checkpoints: a directory with model.safetensors (weights), config.json (the Config) and
-tokenizer.json (a `tokenizers` byte-level BPE). Loaded without pickle, checked before use.
+Checkpoints, loaded without pickle and checked before use.
+
+This project's format: a directory with model.safetensors, config.json (the Config) and
+tokenizer.json (a `tokenizers` byte-level BPE). The released NOSA models (openbmb/NOSA-1B, -3B, -8B)
+use the Hugging Face Llama format: config.json in HF terms, safetensors in one file or in shards
+with model.safetensors.index.json, tokenizer.json. Tensor names are the same in both up to the
+"model." prefix (METHOD.md §7), so one loader reads both.
 """
 import json
 import os
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from model import Transformer
@@ -41,41 +47,98 @@ def save(model, tokenizer, path, dtype=None, extra=None):
             json.dump(extra, f)
 
 
+def config_from_hf(hf, **overrides):
+    """A Hugging Face Llama config.json (dict) -> Config, on the paper's NOSA defaults (METHOD.md §7).
+    Anything this model does not implement is refused by name rather than silently ignored."""
+    for key, ok in (("rope_scaling", lambda v: v is None), ("attention_bias", lambda v: not v),
+                    ("mlp_bias", lambda v: not v), ("hidden_act", lambda v: v == "silu"),
+                    ("model_type", lambda v: v == "llama")):
+        if key in hf and not ok(hf[key]):
+            raise ValueError(f"config.json: {key}={hf[key]!r} is not supported by this Llama implementation "
+                             f"(plain RoPE, no biases, SwiGLU)")
+    H_q = hf["num_attention_heads"]
+    shape = dict(vocab_size=hf["vocab_size"], n_layer=hf["num_hidden_layers"], dim=hf["hidden_size"], H_q=H_q,
+                 H_kv=hf.get("num_key_value_heads") or H_q, head_dim=hf.get("head_dim") or hf["hidden_size"] // H_q,
+                 hidden_dim=hf["intermediate_size"], max_seq_len=hf.get("max_position_embeddings", 131072),
+                 rope_theta=float(hf.get("rope_theta", 10000.0)), norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+                 tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+    return Config.from_preset("paper", **{**shape, **overrides})
+
+
 def load(path, device="cpu", dtype=None, **overrides):
-    """Returns (model, tokenizer). Every failure is one line that says what to do."""
-    files = {n: os.path.join(path, n) for n in ("model.safetensors", "config.json", "tokenizer.json")}
-    missing = [n for n, f in files.items() if not os.path.isfile(f)]
+    """Returns (model, tokenizer) from this project's checkpoint directory or a Hugging Face Llama-format
+    one (config.json, model.safetensors or shards with model.safetensors.index.json, tokenizer.json).
+    `overrides` change config fields (e.g. attn="infllmv2"). Every failure is one line that says what
+    to do, and comes before any tensor is loaded: nothing is half-loaded."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no checkpoint directory at {path!r}: train one with `python train.py --out "
+                                f"{path}` or pass another --checkpoint")
+    index = os.path.join(path, "model.safetensors.index.json")
+    single = os.path.join(path, "model.safetensors")
+    missing = [n for n in ("config.json", "tokenizer.json") if not os.path.isfile(os.path.join(path, n))]
+    if not (os.path.isfile(single) or os.path.isfile(index)):
+        missing.insert(0, "model.safetensors")
     if missing:
         raise FileNotFoundError(f"checkpoint {path!r} lacks {', '.join(missing)}: train one with "
                                 f"`python train.py --out {path}` or pass another --checkpoint")
     try:
-        with open(files["config.json"]) as f:
-            cfg = Config(**{**json.load(f), **overrides})
-    except (json.JSONDecodeError, TypeError, ValueError) as e:
-        raise ValueError(f"{files['config.json']} is not a valid NOSA config ({e}); re-save the checkpoint") from None
-    try:
-        sd = load_file(files["model.safetensors"], device=str(device))
-    except (SafetensorError, OSError) as e:
-        raise ValueError(f"{files['model.safetensors']} is corrupt or truncated ({e}); re-download or "
-                         f"re-train it") from None
+        with open(os.path.join(path, "config.json")) as f:
+            raw = json.load(f)
+        cfg = config_from_hf(raw, **overrides) if "hidden_size" in raw else Config(**{**raw, **overrides})
+    except (json.JSONDecodeError, TypeError, KeyError, ValueError) as e:
+        raise ValueError(f"{os.path.join(path, 'config.json')} is not a valid NOSA config ({e})") from None
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]  # tensor name -> shard file
+    else:
+        weight_map = None
+    # read every header first: names and shapes are checked before any data is loaded
+    shapes, where = {}, {}
+    for fname in sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]:
+        try:
+            with safe_open(os.path.join(path, fname), framework="pt") as f:
+                for name in f.keys():
+                    shapes[name.removeprefix("model.")] = tuple(f.get_slice(name).get_shape())
+                    where[name.removeprefix("model.")] = (fname, name)
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{os.path.join(path, fname)} is corrupt or truncated ({e}); re-download or "
+                             f"re-train it") from None
     with torch.device("meta"):
         model = Transformer(cfg)
-    want = {k: v.shape for k, v in model.state_dict().items() if not (cfg.tie_embeddings and k == "lm_head.weight")}
-    got = {k: v.shape for k, v in sd.items()}
-    if want.keys() != got.keys():
-        raise ValueError(f"checkpoint {path!r} does not match its config: missing {sorted(want.keys() - got.keys())[:3]}, "
-                         f"unexpected {sorted(got.keys() - want.keys())[:3]}")
-    bad = [k for k in want if want[k] != got[k]]
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()
+            if not (cfg.tie_embeddings and k == "lm_head.weight")}
+    if cfg.attn in ("full", "infllmv2"):  # a mode without the eviction head reads a NOSA checkpoint too
+        for key in [k for k in shapes if k.endswith((".self_attn.A", ".self_attn.delta.weight"))]:
+            del shapes[key], where[key]
+    lacking, extra = sorted(want.keys() - shapes.keys()), sorted(shapes.keys() - want.keys())
+    if lacking:
+        hint = (" (not a NOSA checkpoint? load it with attn='infllmv2' or 'full' for training-free decoding)"
+                if lacking[0].endswith((".A", ".delta.weight")) else "")
+        raise ValueError(f"checkpoint {path!r} does not match its config: missing tensor {lacking[0]}"
+                         f"{f' and {len(lacking) - 1} more' if len(lacking) > 1 else ''}{hint}")
+    if extra:
+        raise ValueError(f"checkpoint {path!r} does not match its config: unexpected tensor {extra[0]}"
+                         f"{f' and {len(extra) - 1} more' if len(extra) > 1 else ''}")
+    bad = [k for k in want if want[k] != shapes[k]]
     if bad:
-        raise ValueError(f"checkpoint {path!r}: {bad[0]} has shape {tuple(got[bad[0]])}, the config needs "
-                         f"{tuple(want[bad[0]])}")
-    if dtype is not None:
-        sd = {k: v.to(dtype) for k, v in sd.items()}
+        raise ValueError(f"checkpoint {path!r}: {bad[0]} has shape {shapes[bad[0]]}, the config needs {want[bad[0]]}")
+    sd = {}
+    for fname in sorted({f for f, _ in where.values()}):  # one tensor at a time, straight to its device
+        with safe_open(os.path.join(path, fname), framework="pt", device="cpu") as f:
+            for key, (fn, name) in where.items():
+                if fn == fname:
+                    t = f.get_tensor(name)
+                    sd[key] = t.to(device=device, dtype=dtype or t.dtype)
     model.load_state_dict(sd, strict=False, assign=True)
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     try:
-        tokenizer = Tokenizer.from_file(files["tokenizer.json"])
+        tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
     except Exception as e:  # tokenizers raises plain Exception on a bad file
-        raise ValueError(f"{files['tokenizer.json']} is not a valid tokenizer ({e})") from None
+        raise ValueError(f"{os.path.join(path, 'tokenizer.json')} is not a valid tokenizer ({e})") from None
+    model.chat_template = None  # Hugging Face chat template, where the checkpoint has one
+    tok_cfg = os.path.join(path, "tokenizer_config.json")
+    if os.path.isfile(tok_cfg):
+        with open(tok_cfg) as f:
+            model.chat_template = json.load(f).get("chat_template")
     return model.eval(), tokenizer

@@ -27,18 +27,18 @@ def main(argv=None):
 
 
 def main(checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, prompt=DEFAULT_PROMPT, max_new_tokens=200, batch=1,
-         temperature=0.8, top_k=50, offload=False, device=None, seed=1337, quiet=False):
+         temperature=0.8, top_k=50, offload=False, device=None, seed=1337, quiet=False, attn=None):
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(seed)
-    if checkpoint_dir and os.path.isdir(checkpoint_dir):
-        model, tokenizer = checkpoint.load(checkpoint_dir, device,
-                                           dtype=torch.bfloat16 if device == "cuda" else torch.float32)
-    elif checkpoint_dir and checkpoint_dir != checkpoint.DEFAULT_CHECKPOINT:
-        raise FileNotFoundError(f"no checkpoint directory at {checkpoint_dir!r}; train one with `python train.py`")
+    overrides = {"attn": attn} if attn else {}
+    if checkpoint_dir != checkpoint.DEFAULT_CHECKPOINT or os.path.isdir(checkpoint_dir):
+        model, tokenizer = checkpoint.load(checkpoint_dir, device, torch.bfloat16 if device.startswith("cuda")
+                                           else torch.float32, **overrides)
     else:
         print(f"no checkpoint at {checkpoint_dir!r}: using a randomly initialised tiny model (expect noise)")
         tokenizer = checkpoint.byte_tokenizer()
-        model = Transformer(Config.from_preset("tiny", vocab_size=tokenizer.get_vocab_size())).to(device).eval()
+        model = Transformer(Config.from_preset("tiny", vocab_size=tokenizer.get_vocab_size(), **overrides))
+        model = model.to(device).eval()
     ids = tokenizer.encode(prompt).ids
     if not ids:
         raise ValueError("the prompt is empty after tokenisation; give some text with --prompt")
@@ -84,6 +84,8 @@ if __name__ == "__main__":
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--quiet", action="store_true", help="print only the statistics, not the text")
+    p.add_argument("--attn", choices=["nosa", "full", "infllmv2", "dma"],
+                   help="override the checkpoint's attention mode (e.g. infllmv2: training-free sparse decoding)")
     a = p.parse_args()
     prompt = open(a.prompt_file).read() if a.prompt_file else a.prompt
-    main(a.checkpoint, prompt, a.max_new_tokens, a.batch, a.temperature, a.top_k, a.offload, a.device, a.seed, a.quiet)
+    main(a.checkpoint, prompt, a.max_new_tokens, a.batch, a.temperature, a.top_k, a.offload, a.device, a.seed, a.quiet, a.attn)

@@ -36,5 +36,5 @@ def test_greedy_offload_matches_resident():
 
 
 def test_missing_checkpoint_is_one_clear_error():
-    with pytest.raises(FileNotFoundError, match="no checkpoint directory"):
+    with pytest.raises(FileNotFoundError, match="no checkpoint directory at"):
         generate.main(checkpoint_dir="/nonexistent/ckpt", max_new_tokens=5, device="cpu")

@@ -55,8 +55,11 @@ def test_resume_is_exact(corpus, tmp_path):
 def test_bad_checkpoints_fail_clearly(corpus, tmp_path):
     out = str(tmp_path / "ck")
     train.main(out=out, data=corpus, data_dir=str(tmp_path / "data"), steps=2, eval_every=2, **run, **small)
-    with pytest.raises(FileNotFoundError, match="lacks model.safetensors"):
+    with pytest.raises(FileNotFoundError, match="no checkpoint directory"):
         checkpoint.load(str(tmp_path / "nowhere"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="lacks model.safetensors, config.json, tokenizer.json"):
+        checkpoint.load(str(tmp_path / "empty"))
     weights = os.path.join(out, "model.safetensors")
     blob = open(weights, "rb").read()
     open(weights, "wb").write(blob[: len(blob) // 2])  # truncated download

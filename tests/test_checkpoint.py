@@ -1,0 +1,101 @@
+"""Loading released NOSA checkpoints in the Hugging Face Llama layout (METHOD.md §7), from a small
+random checkpoint written here in exactly that layout: sharded safetensors with an index."""
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+import checkpoint
+from model import KVCache, Transformer
+from nosa import Config
+
+HF_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 96,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+             "vocab_size": 300, "max_position_embeddings": 2048, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
+             "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False, "rope_scaling": None,
+             "torch_dtype": "bfloat16"}
+SMALL_NOSA = dict(B=8, l_c=4, s_c=2, n_sink=1, n_win=2, k=8, k_q=2)
+
+
+def write_hf_checkpoint(path, hf_config=HF_CONFIG, drop=None, add=None, reshape=None):
+    """A random NOSA model saved as Hugging Face would: 'model.'-prefixed names, lm_head without,
+    two shards and model.safetensors.index.json, config.json, tokenizer.json, tokenizer_config.json."""
+    os.makedirs(path, exist_ok=True)
+    cfg = checkpoint.config_from_hf(HF_CONFIG, **SMALL_NOSA)
+    torch.manual_seed(1)
+    model = Transformer(cfg)
+    for m in model.modules():
+        if hasattr(m, "A"):
+            torch.nn.init.normal_(m.A)
+    sd = {("" if k.startswith("lm_head") else "model.") + k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+    if drop:
+        sd.pop(drop)
+    if add:
+        sd[add] = torch.zeros(3)
+    if reshape:
+        sd[reshape] = torch.zeros(5, 5)
+    names = sorted(sd)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for fname, keys in shards.items():
+        save_file({k: sd[k].contiguous() for k in keys}, os.path.join(path, fname), metadata={"format": "pt"})
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": {k: fn for fn, ks in shards.items() for k in ks}}, f)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf_config, f)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(["def f(x):\n    return x + 1\n"] * 20, trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}, f)
+    return model, sd
+
+
+def test_hf_checkpoint_loads_exactly(tmp_path):
+    path = str(tmp_path / "nosa-hf")
+    _, sd = write_hf_checkpoint(path)
+    model, tok = checkpoint.load(path, **SMALL_NOSA)
+    assert model.cfg.attn == "nosa" and model.cfg.H_kv == 2 and model.cfg.head_dim == 16
+    got = model.state_dict()
+    assert len(got) == len(sd)
+    for name, t in sd.items():
+        assert torch.equal(got[name.removeprefix("model.")], t), name  # every tensor arrived exactly
+    assert model.chat_template.startswith("{% for m in messages")
+    assert tok.encode("def f(x):").ids
+
+
+def test_hf_checkpoint_generates_same_logits_as_direct_model(tmp_path):
+    path = str(tmp_path / "nosa-hf")
+    direct, _ = write_hf_checkpoint(path)
+    direct = direct.to(torch.bfloat16).float()  # the checkpoint is bf16
+    loaded, _ = checkpoint.load(path, dtype=torch.float32, **SMALL_NOSA)
+    idx = torch.randint(0, 300, (1, 200))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(idx), direct(idx), rtol=0, atol=0)
+        cache = KVCache(loaded.cfg, 1, "cpu", torch.float32)
+        assert loaded.generate([idx[0, :50].tolist()], 100, cache=cache) == direct.generate([idx[0, :50].tolist()], 100)
+
+
+@pytest.mark.parametrize("kind, kw, msg", [
+    ("missing", dict(drop="model.layers.1.self_attn.A"), "missing tensor layers.1.self_attn.A"),
+    ("unexpected", dict(add="model.layers.0.self_attn.rotary_emb.inv_freq"), "unexpected tensor layers.0.self_attn.rotary_emb"),
+    ("shape", dict(reshape="model.norm.weight"), r"norm.weight has shape \(5, 5\)"),
+    ("rope", dict(hf_config={**HF_CONFIG, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}), "rope_scaling"),
+])
+def test_bad_hf_checkpoints_are_named(tmp_path, kind, kw, msg):
+    path = str(tmp_path / kind)
+    write_hf_checkpoint(path, **{"hf_config": HF_CONFIG, **kw})
+    with pytest.raises(ValueError, match=msg):
+        checkpoint.load(path, **SMALL_NOSA)
+
+
+def test_nosa_checkpoint_decodes_training_free_in_other_modes(tmp_path):
+    path = str(tmp_path / "nosa-hf")
+    write_hf_checkpoint(path)
+    model, _ = checkpoint.load(path, **{**SMALL_NOSA, "attn": "infllmv2"})
+    assert model.cfg.attn == "infllmv2" and not hasattr(model.layers[0].self_attn, "A")
