@@ -88,117 +88,121 @@ def slot_attention_torch(q, pool, slot_block, bias, pos, B):
 
 
 @triton.jit
-def _sparse_fwd(Q, K, V, C, IDX, QPOS, O, LSE, scale, T, S,
-                H_kv: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
-                K_SEL: tl.constexpr, HAS_BIAS: tl.constexpr):
-    t, bh = tl.program_id(0), tl.program_id(1)
+def _tile_rows(t0, bh, T, H_kv: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, ROWS: tl.constexpr):
+    """Row r of a query tile is (token t0 + r // GP, query head r % GP of the group)."""
     b, h = bh // H_kv, bh % H_kv
-    offs_g, offs_d, offs_n = tl.arange(0, GP), tl.arange(0, D), tl.arange(0, B)
-    g_ok = offs_g < G
-    rows = (b * H_kv * G + h * G + offs_g) * T + t  # (GP,) rows of q / o / lse
-    q = tl.load(Q + rows[:, None] * D + offs_d[None, :], mask=g_ok[:, None], other=0.0)
-    pos = tl.load(QPOS + b * T + t)
-    kv = K + (bh * S) * D
-    vv = V + (bh * S) * D
-    m_i = tl.full([GP], float("-inf"), tl.float32)
-    l_i = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, D], tl.float32)
-    for i in range(K_SEL):
-        blk = tl.load(IDX + (bh * T + t) * K_SEL + i)
-        tok = blk * B + offs_n
-        ok = (tok >= 0) & (tok <= pos)  # blk = -1 gives tok < 0
-        kb = tl.load(kv + tok[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
-        vb = tl.load(vv + tok[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(kb)) * scale  # (GP, B) fp32
-        if HAS_BIAS:
-            s += tl.load(C + bh * S + tok, mask=ok, other=0.0)[None, :]
-        s = tl.where(ok[None, :], s, float("-inf"))
+    r = tl.arange(0, ROWS)
+    t, g = t0 + r // GP, r % GP
+    ok = (t < T) & (g < G)
+    return b, t, ok, ((b * H_kv * G + h * G + g) * T + t)  # flat (batch, head, token) index of q / o / lse
+
+
+@triton.jit
+def _scores(q, kb, C, QPOS, MASK, b, bh, t, row_ok, blk, T, S, NB, scale,
+            B: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Logits (ROWS, B) of a query tile against key block blk, and which of them are allowed: the
+    row's token selected the block (MASK) and the key is not after it."""
+    tok = blk * B + tl.arange(0, B)
+    pos = tl.load(QPOS + b * T + t, mask=row_ok, other=-1)
+    sel = tl.load(MASK + (bh * T + t) * NB + blk, mask=row_ok & (t * 0 + blk >= 0), other=0)
+    ok = (sel > 0)[:, None] & (tok[None, :] <= pos[:, None]) & (tok[None, :] >= 0) & (tok[None, :] < S)
+    s = tl.dot(q, tl.trans(kb)) * scale
+    if HAS_BIAS:
+        s += tl.load(C + bh * S + tok, mask=(tok >= 0) & (tok < S), other=0.0)[None, :]
+    return s, ok
+
+
+@triton.jit
+def _sparse_fwd(Q, K, V, C, TILE_IDX, MASK, QPOS, O, LSE, scale, T, S, NB, U,
+                H_kv: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
+                BT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    tile, bh = tl.program_id(0), tl.program_id(1)
+    b, t, row_ok, rows = _tile_rows(tile * BT, bh, T, H_kv, G, GP, BT * GP)
+    offs_d, offs_n = tl.arange(0, D), tl.arange(0, B)
+    q = tl.load(Q + rows[:, None] * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    m_i = tl.full([BT * GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([BT * GP], tl.float32)
+    acc = tl.zeros([BT * GP, D], tl.float32)
+    for i in range(U):  # the union of the blocks the tile's tokens selected, each read once for all
+        blk = tl.load(TILE_IDX + ((bh * tl.num_programs(0) + tile) * U + i))
+        kv = (bh * S + blk * B + offs_n[:, None]) * D + offs_d[None, :]
+        k_ok = (blk * B + offs_n >= 0) & (blk * B + offs_n < S)  # blk = -1 pads the union
+        kb = tl.load(K + kv, mask=k_ok[:, None], other=0.0)
+        vb = tl.load(V + kv, mask=k_ok[:, None], other=0.0)
+        s, ok = _scores(q, kb, C, QPOS, MASK, b, bh, t, row_ok, blk, T, S, NB, scale, B, HAS_BIAS)
+        s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block with nothing valid adds nothing
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing allowed yet: add nothing
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
         m_i = m_new
-    tl.store(O + rows[:, None] * D + offs_d[None, :], (acc / l_i[:, None]).to(O.dtype.element_ty), mask=g_ok[:, None])
-    tl.store(LSE + rows, m_i + tl.log(l_i), mask=g_ok)
+    l_i = tl.where(l_i > 0, l_i, 1.0)  # rows past the end of the sequence or the group
+    tl.store(O + rows[:, None] * D + offs_d[None, :], (acc / l_i[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(LSE + rows, m_i + tl.log(l_i), mask=row_ok)
 
 
 @triton.jit
-def _sparse_bwd_dq(Q, K, V, C, IDX, QPOS, DO, LSE, DELTA, DQ, scale, T, S,
+def _sparse_bwd_dq(Q, K, V, C, TILE_IDX, MASK, QPOS, DO, LSE, DELTA, DQ, scale, T, S, NB, U,
                    H_kv: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
-                   K_SEL: tl.constexpr, HAS_BIAS: tl.constexpr):
-    t, bh = tl.program_id(0), tl.program_id(1)
-    b, h = bh // H_kv, bh % H_kv
-    offs_g, offs_d, offs_n = tl.arange(0, GP), tl.arange(0, D), tl.arange(0, B)
-    g_ok = offs_g < G
-    rows = (b * H_kv * G + h * G + offs_g) * T + t
-    q = tl.load(Q + rows[:, None] * D + offs_d[None, :], mask=g_ok[:, None], other=0.0)
-    do = tl.load(DO + rows[:, None] * D + offs_d[None, :], mask=g_ok[:, None], other=0.0)
-    lse = tl.load(LSE + rows, mask=g_ok, other=0.0)
-    delta = tl.load(DELTA + rows, mask=g_ok, other=0.0)
-    pos = tl.load(QPOS + b * T + t)
-    dq = tl.zeros([GP, D], tl.float32)
-    for i in range(K_SEL):
-        blk = tl.load(IDX + (bh * T + t) * K_SEL + i)
-        tok = blk * B + offs_n
-        ok = (tok >= 0) & (tok <= pos)  # blk = -1 gives tok < 0
-        kb = tl.load(K + (bh * S + tok[:, None]) * D + offs_d[None, :], mask=ok[:, None], other=0.0)
-        vb = tl.load(V + (bh * S + tok[:, None]) * D + offs_d[None, :], mask=ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(kb)) * scale
-        if HAS_BIAS:
-            s += tl.load(C + bh * S + tok, mask=ok, other=0.0)[None, :]
-        p = tl.where(ok[None, :], tl.exp(s - lse[:, None]), 0.0)  # (GP, B)
-        dp = tl.dot(do, tl.trans(vb))
-        ds = p * (dp - delta[:, None])
+                   BT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    tile, bh = tl.program_id(0), tl.program_id(1)
+    b, t, row_ok, rows = _tile_rows(tile * BT, bh, T, H_kv, G, GP, BT * GP)
+    offs_d, offs_n = tl.arange(0, D), tl.arange(0, B)
+    q = tl.load(Q + rows[:, None] * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + rows[:, None] * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    lse = tl.load(LSE + rows, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + rows, mask=row_ok, other=0.0)
+    dq = tl.zeros([BT * GP, D], tl.float32)
+    for i in range(U):
+        blk = tl.load(TILE_IDX + ((bh * tl.num_programs(0) + tile) * U + i))
+        kv = (bh * S + blk * B + offs_n[:, None]) * D + offs_d[None, :]
+        k_ok = (blk * B + offs_n >= 0) & (blk * B + offs_n < S)  # blk = -1 pads the union
+        kb = tl.load(K + kv, mask=k_ok[:, None], other=0.0)
+        vb = tl.load(V + kv, mask=k_ok[:, None], other=0.0)
+        s, ok = _scores(q, kb, C, QPOS, MASK, b, bh, t, row_ok, blk, T, S, NB, scale, B, HAS_BIAS)
+        p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
+        ds = p * (tl.dot(do, tl.trans(vb)) - delta[:, None])
         dq += tl.dot(ds.to(kb.dtype), kb)
-    tl.store(DQ + rows[:, None] * D + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=g_ok[:, None])
+    tl.store(DQ + rows[:, None] * D + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
-def _sparse_bwd_dkv(Q, K, V, C, MASK, QPOS, DO, LSE, DELTA, DK, DV, DC, scale, T, S, NB,
-                    H_kv: tl.constexpr, G: tl.constexpr, D: tl.constexpr, B: tl.constexpr, BT: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, CAUSAL_START: tl.constexpr):
-    kb_id, bh = tl.program_id(0), tl.program_id(1)
-    b, h = bh // H_kv, bh % H_kv
-    offs_d, offs_n, offs_t = tl.arange(0, D), tl.arange(0, B), tl.arange(0, BT)
-    tok = kb_id * B + offs_n
-    k_ok = tok < S
-    kb = tl.load(K + (bh * S + tok[:, None]) * D + offs_d[None, :], mask=k_ok[:, None], other=0.0)
-    vb = tl.load(V + (bh * S + tok[:, None]) * D + offs_d[None, :], mask=k_ok[:, None], other=0.0)
-    bias = tl.zeros([B], tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(C + bh * S + tok, mask=k_ok, other=0.0)
-    dk = tl.zeros([B, D], tl.float32)
-    dv = tl.zeros([B, D], tl.float32)
-    dc = tl.zeros([B], tl.float32)
-    start = 0
-    if CAUSAL_START:  # queries at positions 0..T-1: none before this block can see it
-        start = (kb_id * B // BT) * BT
-    for t0 in range(start, T, BT):
-        ts = t0 + offs_t
-        t_ok = ts < T
-        sel = tl.load(MASK + (bh * T + ts) * NB + kb_id, mask=t_ok, other=0)  # did query t select this block?
-        if tl.max(sel, 0) > 0:
-            pos = tl.load(QPOS + b * T + ts, mask=t_ok, other=-1)
-            valid = (sel > 0)[:, None] & (tok[None, :] <= pos[:, None]) & k_ok[None, :]  # (BT, B)
-            for g in tl.static_range(G):
-                rows = (b * H_kv * G + h * G + g) * T + ts
-                q = tl.load(Q + rows[:, None] * D + offs_d[None, :], mask=t_ok[:, None], other=0.0)
-                do = tl.load(DO + rows[:, None] * D + offs_d[None, :], mask=t_ok[:, None], other=0.0)
-                lse = tl.load(LSE + rows, mask=t_ok, other=0.0)
-                delta = tl.load(DELTA + rows, mask=t_ok, other=0.0)
-                s = tl.dot(q, tl.trans(kb)) * scale + bias[None, :]
-                p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)  # (BT, B)
-                dv += tl.dot(tl.trans(p).to(do.dtype), do)
-                ds = p * (tl.dot(do, tl.trans(vb)) - delta[:, None])
-                dk += tl.dot(tl.trans(ds).to(q.dtype), q)
-                dc += tl.sum(ds, 0)
-    out = (bh * S + tok[:, None]) * D + offs_d[None, :]
-    tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=k_ok[:, None])
-    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=k_ok[:, None])
-    if HAS_BIAS:
-        tl.store(DC + bh * S + tok, dc, mask=k_ok)
+def _sparse_bwd_dkv(Q, K, V, C, REV_IDX, REV_CNT, MASK, QPOS, DO, LSE, DELTA, DK, DV, DC, scale, T, S, NB, NT,
+                    H_kv: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
+                    BT: tl.constexpr, CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """dK, dV, dc of one key block from one chunk of the query tiles that selected it; chunks of a
+    much-selected block (the sink, the window) run in parallel and add up atomically in fp32."""
+    blk, chunk, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    count = tl.load(REV_CNT + bh * NB + blk)
+    j0 = chunk * CHUNK
+    if j0 < count:
+        offs_d, offs_n = tl.arange(0, D), tl.arange(0, B)
+        kv = (bh * S + blk * B + offs_n[:, None]) * D + offs_d[None, :]
+        k_ok = blk * B + offs_n < S
+        kb = tl.load(K + kv, mask=k_ok[:, None], other=0.0)
+        vb = tl.load(V + kv, mask=k_ok[:, None], other=0.0)
+        dk = tl.zeros([B, D], tl.float32)
+        dv = tl.zeros([B, D], tl.float32)
+        dc = tl.zeros([B], tl.float32)
+        for j in range(j0, tl.minimum(j0 + CHUNK, count)):
+            tile = tl.load(REV_IDX + (bh * NB + blk) * NT + j)
+            b, t, row_ok, rows = _tile_rows(tile * BT, bh, T, H_kv, G, GP, BT * GP)
+            q = tl.load(Q + rows[:, None] * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+            do = tl.load(DO + rows[:, None] * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+            lse = tl.load(LSE + rows, mask=row_ok, other=0.0)
+            delta = tl.load(DELTA + rows, mask=row_ok, other=0.0)
+            s, ok = _scores(q, kb, C, QPOS, MASK, b, bh, t, row_ok, blk, T, S, NB, scale, B, HAS_BIAS)
+            p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)  # (ROWS, B)
+            dv += tl.dot(tl.trans(p).to(do.dtype), do)
+            ds = p * (tl.dot(do, tl.trans(vb)) - delta[:, None])
+            dk += tl.dot(tl.trans(ds).to(q.dtype), q)
+            dc += tl.sum(ds, 0)
+        tl.atomic_add(DK + kv, dk * scale, mask=k_ok[:, None])
+        tl.atomic_add(DV + kv, dv, mask=k_ok[:, None])
+        if HAS_BIAS:
+            tl.atomic_add(DC + bh * S + blk * B + offs_n, dc, mask=k_ok)
 
 
 @triton.jit
@@ -257,48 +261,64 @@ def mask_to_indices(block_mask, k):
     return torch.where(ids < nb, ids, -1).contiguous()
 
 
+def tile_size(G, B):
+    """Query tokens per tile: about 128 rows (tokens x heads of the group), within one block."""
+    return max(1, min(B, 128 // triton.next_power_of_2(G)))
+
+
 class SparseAttention(torch.autograd.Function):
-    """The Triton path of sparse_attention, forward and backward."""
+    """The Triton path of sparse_attention, forward and backward. Tokens are processed in tiles of
+    BT consecutive queries (all G heads of the group), over the union of the blocks they selected:
+    neighbours share the forced blocks and the query-agnostic core, so each K/V block is read once
+    per tile and the dots are (BT·G, d) x (d, B). Per-row selection comes from the uint8 block mask."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, block_mask, q_pos, B, k_sel):
+    def forward(ctx, q, k, v, bias, block_mask, q_pos, B):
         Bz, H_q, T, D = q.shape
         H_kv, S = k.shape[1], k.shape[2]
         G = H_q // H_kv
+        BT = tile_size(G, B)
+        nT, nb = triton.cdiv(T, BT), block_mask.shape[-1]
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        idx = mask_to_indices(block_mask, k_sel)
+        mask = block_mask.to(torch.uint8).contiguous()  # (Bz, H_kv, T, nb)
+        tiles = F.pad(block_mask, (0, 0, 0, nT * BT - T)).view(Bz, H_kv, nT, BT, nb).any(3)  # (Bz, H_kv, nT, nb)
+        U = int(tiles.sum(-1).max())
+        tile_idx = mask_to_indices(tiles, U)
         q_pos = q_pos.to(torch.int32).contiguous()
         c = fp32(bias).contiguous() if bias is not None else q.new_empty(1, dtype=torch.float32)
         o = torch.empty_like(q)
         lse = torch.empty(Bz, H_q, T, device=q.device, dtype=torch.float32)
-        scale = 1.0 / math.sqrt(D)
-        _sparse_fwd[(T, Bz * H_kv)](q, k, v, c, idx, q_pos, o, lse, scale, T, S, H_kv=H_kv, G=G, GP=_gp(G), D=D,
-                                    B=B, K_SEL=k_sel, HAS_BIAS=bias is not None)
-        ctx.save_for_backward(q, k, v, c, idx, block_mask, q_pos, o, lse)
-        ctx.meta = (B, k_sel, bias is not None)
+        meta = dict(H_kv=H_kv, G=G, GP=triton.next_power_of_2(G), D=D, B=B, BT=BT, HAS_BIAS=bias is not None)
+        _sparse_fwd[(nT, Bz * H_kv)](q, k, v, c, tile_idx, mask, q_pos, o, lse, 1.0 / math.sqrt(D), T, S, nb, U,
+                                    **meta)
+        ctx.save_for_backward(q, k, v, c, tile_idx, tiles, mask, q_pos, o, lse)
+        ctx.meta = meta
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, c, idx, block_mask, q_pos, o, lse = ctx.saved_tensors
-        B, k_sel, has_bias = ctx.meta
+        q, k, v, c, tile_idx, tiles, mask, q_pos, o, lse = ctx.saved_tensors
+        meta = ctx.meta
         Bz, H_q, T, D = q.shape
         H_kv, S = k.shape[1], k.shape[2]
-        G = H_q // H_kv
+        nT, nb, U = tiles.shape[2], tiles.shape[3], tile_idx.shape[-1]
         do = do.contiguous()
         delta = (fp32(do) * fp32(o)).sum(-1)  # (Bz, H_q, T) rowsum(dO ∘ O)
         scale = 1.0 / math.sqrt(D)
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dq = torch.empty_like(q)
+        _sparse_bwd_dq[(nT, Bz * H_kv)](q, k, v, c, tile_idx, mask, q_pos, do, lse, delta, dq, scale, T, S, nb, U,
+                                       **meta)
+        # reverse index: for every key block, the query tiles that selected it
+        rev = tiles.transpose(-1, -2)  # (Bz, H_kv, nb, nT)
+        rev_cnt = rev.sum(-1).to(torch.int32).contiguous()
+        rev_idx = mask_to_indices(rev, nT)
+        chunk = 32
+        dk, dv = (torch.zeros(Bz, H_kv, S, D, device=q.device, dtype=torch.float32) for _ in range(2))
         dc = torch.zeros(Bz, H_kv, S, device=q.device, dtype=torch.float32)
-        _sparse_bwd_dq[(T, Bz * H_kv)](q, k, v, c, idx, q_pos, do, lse, delta, dq, scale, T, S, H_kv=H_kv, G=G,
-                                       GP=_gp(G), D=D, B=B, K_SEL=k_sel, HAS_BIAS=has_bias)
-        nb = block_mask.shape[-1]
-        mask = block_mask.to(torch.uint8).contiguous()
-        causal_start = bool(torch.equal(q_pos, torch.arange(T, device=q.device, dtype=torch.int32).expand(Bz, T)))
-        _sparse_bwd_dkv[(triton.cdiv(S, B), Bz * H_kv)](q, k, v, c, mask, q_pos, do, lse, delta, dk, dv, dc, scale,
-                                                        T, S, nb, H_kv=H_kv, G=G, D=D, B=B, BT=16,
-                                                        HAS_BIAS=has_bias, CAUSAL_START=causal_start)
-        return dq, dk, dv, (dc if has_bias else None), None, None, None, None
+        _sparse_bwd_dkv[(nb, triton.cdiv(int(rev_cnt.max()), chunk), Bz * H_kv)](
+            q, k, v, c, rev_idx, rev_cnt, mask, q_pos, do, lse, delta, dk, dv, dc, scale, T, S, nb, nT,
+            CHUNK=chunk, **meta)
+        return dq, dk.to(k.dtype), dv.to(v.dtype), (dc if meta["HAS_BIAS"] else None), None, None, None
 
 
 def use_triton(x):
@@ -316,7 +336,7 @@ def sparse_attention(q, k, v, bias, block_mask, q_pos, cfg):
         causal = (j <= q_pos[..., None])[:, None]  # (Bz, 1, T, S)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal if T < S else None, is_causal=T == S,
                                               enable_gqa=True)
-    return SparseAttention.apply(q, k, v, bias, block_mask, q_pos, cfg.B, cfg.k)
+    return SparseAttention.apply(q, k, v, bias, block_mask, q_pos, cfg.B)
 
 
 def slot_attention_triton(q, pool, slot_block, bias, pos, B, n_split=None):

@@ -123,10 +123,10 @@ def bench_prefill(H_q=32, H_kv=2, d=128):
         do = torch.randn_like(q)
 
         def nosa_fb():
-            attention.SparseAttention.apply(q, k, v, c, mask, pos, cfg.B, cfg.k).backward(do)
+            attention.SparseAttention.apply(q, k, v, c, mask, pos, cfg.B).backward(do)
 
         def nosa_f():
-            attention.SparseAttention.apply(q, k, v, c, mask, pos, cfg.B, cfg.k)
+            attention.SparseAttention.apply(q, k, v, c, mask, pos, cfg.B)
 
         def sdpa_fb():
             F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).backward(do)
@@ -185,7 +185,7 @@ def bench_decode(H_q=32, H_kv=2, d=128):
                 Bz, H_kv, 1, -1), True)
             mask[..., -1] = True  # the query's own block
             qpos = pos[:, None]
-            t_res = do_bench(lambda: attention.SparseAttention.apply(q, kk, vv, bias, mask, qpos, cfg.B, cfg.k),
+            t_res = do_bench(lambda: attention.SparseAttention.apply(q, kk, vv, bias, mask, qpos, cfg.B),
                              warmup=20, rep=200, return_mode="median")
             t_sdpa = do_bench(lambda: F.scaled_dot_product_attention(q, kk, vv, enable_gqa=True),
                               warmup=20, rep=200, return_mode="median")

@@ -50,7 +50,7 @@ def test_sparse_attention_kernel_matches_twin(G, d, T, B, k, dtype):
         for t in (q, kk, v, c):
             t.grad = None
         if fn is None:
-            o = attention.SparseAttention.apply(q, kk, v, c, mask, q_pos, B, k)
+            o = attention.SparseAttention.apply(q, kk, v, c, mask, q_pos, B)
         else:
             o = fn(q, kk, v, c, mask, q_pos, B)
         o.backward(do)
@@ -67,7 +67,7 @@ def test_sparse_attention_kernel_ragged_decode_positions():
     q_pos = torch.tensor([[5], [47], [89]], device=DEV)
     mask = random_block_mask(Bz, H_kv, 1, B, k, q_pos)
     want = attention.sparse_attention_torch(q, kk, v, None, mask, q_pos, B)
-    got = attention.SparseAttention.apply(q, kk, v, None, mask, q_pos, B, k)
+    got = attention.SparseAttention.apply(q, kk, v, None, mask, q_pos, B)
     assert rel_err(got, want) < 2e-4
 
 
