@@ -321,14 +321,17 @@ class SparseAttention(torch.autograd.Function):
         return dq, dk.to(k.dtype), dv.to(v.dtype), (dc if meta["HAS_BIAS"] else None), None, None, None
 
 
-def use_triton(x):
-    """The kernels accumulate in fp32: fp64 (the exact tests) stays on the twin, also on a GPU."""
-    return x.is_cuda and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+def use_triton(x, B):
+    """The kernels accumulate in fp32: fp64 (the exact tests) stays on the twin, also on a GPU; and
+    tl.dot needs blocks and head dims of at least 16 (powers of two)."""
+    d = x.shape[-1]
+    return (x.is_cuda and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and B >= 16 and d >= 16
+            and B & (B - 1) == 0 and d & (d - 1) == 0)
 
 
 def sparse_attention(q, k, v, bias, block_mask, q_pos, cfg):
     """Dispatch: Triton on CUDA tensors, the twin elsewhere; `full` mode (no mask) uses SDPA on CUDA."""
-    if not use_triton(q):
+    if not use_triton(q, cfg.B):
         return sparse_attention_torch(q, k, v, bias, block_mask, q_pos, cfg.B)
     if block_mask is None:
         T, S = q.shape[2], k.shape[2]
@@ -359,6 +362,6 @@ def slot_attention_triton(q, pool, slot_block, bias, pos, B, n_split=None):
 
 
 def slot_attention(q, pool, slot_block, bias, pos, B):
-    if use_triton(q):
+    if use_triton(q, B):
         return slot_attention_triton(q, pool, slot_block, bias, pos, B)
     return slot_attention_torch(q, pool, slot_block, bias, pos, B)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 import attention
+import nosa
 import offload
 from nosa import Config
 
@@ -97,18 +98,16 @@ def bench_gather(store_gib=4.0, moved_mib=64, k=64):
     return rows
 
 
-def paper_mask(Bz, H_kv, T, cfg, device):
-    """A selection with the shape of the real one at the paper defaults: sink, window and own block,
-    plus random other causal blocks up to k (the kernels' cost does not depend on which)."""
-    nb = T // cfg.B
-    t_blk = torch.arange(T, device=device) // cfg.B
-    b = torch.arange(nb, device=device)
-    score = torch.rand(Bz, H_kv, T, nb, device=device)
-    forced = (b < cfg.n_sink) | ((b >= t_blk[:, None] - cfg.n_win) & (b <= t_blk[:, None]))
-    score = torch.where(forced, 2.0, score).masked_fill(b > t_blk[:, None], -1.0)
-    top = score.topk(cfg.k, -1).indices
-    mask = torch.zeros(Bz, H_kv, T, nb, dtype=torch.bool, device=device).scatter_(-1, top, True)
-    return mask & (b <= t_blk[:, None])
+def paper_mask(Bz, H_kv, T, cfg, device, seed=0):
+    """The real selection (nosa.select_blocks) on synthetic scores with the structure of real ones:
+    E fixed per block; Q a smooth random field over (query block, key block) plus per-token noise, so
+    neighbouring queries prefer similar blocks, as the queries of adjacent tokens do."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    nb, nq = T // cfg.B, T // cfg.B
+    E = torch.rand(Bz, H_kv, nb, device=device, generator=g)
+    field = torch.rand(Bz, H_kv, nq, nb, device=device, generator=g)
+    Q = field.repeat_interleave(cfg.B, 2) + 0.3 * torch.rand(Bz, H_kv, T, nb, device=device, generator=g)
+    return nosa.select_blocks(Q, E, torch.arange(T, device=device)[None, None], cfg)
 
 
 def bench_prefill(H_q=32, H_kv=2, d=128):

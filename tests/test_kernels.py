@@ -7,6 +7,8 @@ import torch
 import attention
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# fp32 dots run as TF32 on a GPU (about 3e-4 relative error), exactly in the interpreter
+FP32_TOL = 2e-3 if DEV == "cuda" else 2e-4
 
 
 def random_block_mask(Bz, H_kv, T, B, k, q_pos):
@@ -37,7 +39,7 @@ CASES = [  # (G, d, T, B, k): T not a multiple of B; T < k*B (all blocks fit) an
 @pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if DEV == "cuda" else []))
 def test_sparse_attention_kernel_matches_twin(G, d, T, B, k, dtype):
     Bz, H_kv = 2, 2
-    tol = 2e-2 if dtype == torch.bfloat16 else 2e-4
+    tol = 2e-2 if dtype == torch.bfloat16 else FP32_TOL
     q = torch.randn(Bz, H_kv * G, T, d, device=DEV, dtype=dtype, requires_grad=True)
     kk = torch.randn(Bz, H_kv, T, d, device=DEV, dtype=dtype, requires_grad=True)
     v = torch.randn(Bz, H_kv, T, d, device=DEV, dtype=dtype, requires_grad=True)
@@ -68,7 +70,7 @@ def test_sparse_attention_kernel_ragged_decode_positions():
     mask = random_block_mask(Bz, H_kv, 1, B, k, q_pos)
     want = attention.sparse_attention_torch(q, kk, v, None, mask, q_pos, B)
     got = attention.SparseAttention.apply(q, kk, v, None, mask, q_pos, B)
-    assert rel_err(got, want) < 2e-4
+    assert rel_err(got, want) < FP32_TOL
 
 
 @pytest.mark.parametrize("G, d", [(1, 64), (4, 128), (16, 64)])
@@ -89,7 +91,7 @@ def test_slot_decode_kernel_matches_twin(G, d):
         want = attention.slot_attention_torch(q, pool, slot_block, b, pos, B)
         for n_split in (1, 2, 6):
             got = attention.slot_attention_triton(q, pool, slot_block, b, pos, B, n_split=n_split)
-            assert rel_err(got, want) < 2e-4, n_split
+            assert rel_err(got, want) < FP32_TOL, n_split
 
 
 def test_mask_to_indices():
