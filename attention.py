@@ -261,6 +261,9 @@ def mask_to_indices(block_mask, k):
     return torch.where(ids < nb, ids, -1).contiguous()
 
 
+LAUNCH = dict(num_warps=8, num_stages=3)  # for the tiled kernels; see BENCHMARKS.md for the sweep
+
+
 def tile_size(G, B):
     """Query tokens per tile: about 128 rows (tokens x heads of the group), within one block."""
     return max(1, min(B, 128 // triton.next_power_of_2(G)))
@@ -290,7 +293,7 @@ class SparseAttention(torch.autograd.Function):
         lse = torch.empty(Bz, H_q, T, device=q.device, dtype=torch.float32)
         meta = dict(H_kv=H_kv, G=G, GP=triton.next_power_of_2(G), D=D, B=B, BT=BT, HAS_BIAS=bias is not None)
         _sparse_fwd[(nT, Bz * H_kv)](q, k, v, c, tile_idx, mask, q_pos, o, lse, 1.0 / math.sqrt(D), T, S, nb, U,
-                                    **meta)
+                                    **meta, **LAUNCH)
         ctx.save_for_backward(q, k, v, c, tile_idx, tiles, mask, q_pos, o, lse)
         ctx.meta = meta
         return o
@@ -307,7 +310,7 @@ class SparseAttention(torch.autograd.Function):
         scale = 1.0 / math.sqrt(D)
         dq = torch.empty_like(q)
         _sparse_bwd_dq[(nT, Bz * H_kv)](q, k, v, c, tile_idx, mask, q_pos, do, lse, delta, dq, scale, T, S, nb, U,
-                                       **meta)
+                                       **meta, **LAUNCH)
         # reverse index: for every key block, the query tiles that selected it
         rev = tiles.transpose(-1, -2)  # (Bz, H_kv, nb, nT)
         rev_cnt = rev.sum(-1).to(torch.int32).contiguous()
@@ -317,7 +320,7 @@ class SparseAttention(torch.autograd.Function):
         dc = torch.zeros(Bz, H_kv, S, device=q.device, dtype=torch.float32)
         _sparse_bwd_dkv[(nb, triton.cdiv(int(rev_cnt.max()), chunk), Bz * H_kv)](
             q, k, v, c, rev_idx, rev_cnt, mask, q_pos, do, lse, delta, dk, dv, dc, scale, T, S, nb, nT,
-            CHUNK=chunk, **meta)
+            CHUNK=chunk, **meta, **LAUNCH)
         return dq, dk.to(k.dtype), dv.to(v.dtype), (dc if meta["HAS_BIAS"] else None), None, None, None
 
 

@@ -4,6 +4,7 @@ Benchmarks, run on the GPU machine; every figure is a ratio against a limit meas
     python bench.py gather [--json out.json]     # UVA gather vs contiguous pinned copy (PCIe roofline)
     python bench.py prefill                      # sparse attention fwd+bwd vs dense SDPA (flash), paper defaults
     python bench.py decode                       # decode kernels vs HBM bandwidth, batch 1..64
+    python bench.py quality --ckpts DIR          # trained tiny models: long-context quality (CPU is fine)
 
 Record results with their command in BENCHMARKS.md.
 """
@@ -197,11 +198,56 @@ def bench_decode(H_q=32, H_kv=2, d=128):
     return rows
 
 
-def main(what, json_path=None):
-    if not torch.cuda.is_available():
-        raise SystemExit("bench.py measures the GPU machine: no CUDA device here")
-    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__}")
-    rows = dict(gather=bench_gather, prefill=bench_prefill, decode=bench_decode)[what]()
+def bench_quality(ckpts, windows=16, T=1024, n_prompts=8, prompt_len=128, gen_len=1024):
+    """Long-sequence quality of the tiny models trained by train.py (ckpts/{nosa,full,infllmv2,dma}):
+    teacher-forced loss on held-out windows (by position: the first k·B tokens are dense for every
+    model), and free generations of gen_len tokens scored by the full-attention model. 'full as
+    infllmv2' is the training-free baseline: the full-attention model decoded with InfLLMv2-style
+    selection at the same budget k."""
+    import checkpoint
+    import train
+    from model import KVCache
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    systems = [("nosa", "nosa", None), ("full", "full", None), ("infllmv2", "infllmv2", None),
+               ("dma", "dma", None), ("full as infllmv2 (training-free)", "full", "infllmv2")]
+    judge, tok = checkpoint.load(f"{ckpts}/full", dev, torch.float32)
+    eot = tok.token_to_id(train.EOT)  # the held-out files of the default corpus, as train.py splits them
+    val = torch.tensor([i for name, text in train.documents() if train.is_val(name)
+                        for i in tok.encode(text).ids + [eot]])
+    kB = judge.cfg.k * judge.cfg.B
+    starts = torch.linspace(0, len(val) - T - 1, windows).long()
+    x = torch.stack([val[s:s + T] for s in starts]).to(dev)
+    prompts = [val[s:s + prompt_len].tolist() for s in starts[:n_prompts]]
+    rows = []
+    for name, ck, attn in systems:
+        model, _ = checkpoint.load(f"{ckpts}/{ck}", dev, torch.float32, **({"attn": attn} if attn else {}))
+        with torch.no_grad():
+            nll = F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten(), reduction="none").view(windows, -1)
+            torch.manual_seed(0)
+            gen = model.generate(prompts, gen_len, temperature=0.8, top_k=50,
+                                 cache=KVCache(model.cfg, n_prompts, dev, torch.float32))
+            full = torch.tensor([p + g for p, g in zip(prompts, gen)], device=dev)
+            judged = F.cross_entropy(judge(full[:, :-1]).flatten(0, 1), full[:, 1:].flatten(), reduction="none")
+            judged = judged.view(n_prompts, -1)[:, prompt_len - 1:]
+        tail = [g[-kB:] for g in gen]  # repetition: share of distinct 4-grams in the last k·B tokens
+        distinct = sum(len({tuple(t[i:i + 4]) for i in range(len(t) - 3)}) / (len(t) - 3) for t in tail) / len(tail)
+        rows.append(dict(system=name, val_loss_dense_part=round(nll[:, :kB].mean().item(), 3),
+                         val_loss_sparse_part=round(nll[:, kB:].mean().item(), 3),
+                         gen_judge_loss_first_kB=round(judged[:, :kB].mean().item(), 3),
+                         gen_judge_loss_last_kB=round(judged[:, -kB:].mean().item(), 3),
+                         gen_distinct_4grams_last_kB=round(distinct, 3)))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def main(what, json_path=None, ckpts="checkpoints"):
+    if what == "quality":
+        rows = bench_quality(ckpts)
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("bench.py measures the GPU machine: no CUDA device here")
+        print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__}")
+        rows = dict(gather=bench_gather, prefill=bench_prefill, decode=bench_decode)[what]()
     if json_path:
         with open(json_path, "w") as f:
             json.dump(rows, f, indent=1)
@@ -213,7 +259,8 @@ def main(what, json_path=None):
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description="NOSA / NOSI benchmarks (GPU)")
-    p.add_argument("what", choices=["gather", "prefill", "decode"], help="which benchmark")
+    p.add_argument("what", choices=["gather", "prefill", "decode", "quality"], help="which benchmark")
     p.add_argument("--json", help="also write the rows to this file")
+    p.add_argument("--ckpts", default="checkpoints", help="quality: directory with nosa/ full/ infllmv2/ dma/")
     a = p.parse_args()
-    main(a.what, a.json)
+    main(a.what, a.json, a.ckpts)
