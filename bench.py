@@ -20,6 +20,7 @@ from triton.testing import do_bench
 import attention
 import nosa
 import offload
+import pooling
 from nosa import Config
 
 
@@ -134,8 +135,17 @@ def bench_prefill(H_q=32, H_kv=2, d=128):
         def sdpa_f():
             F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
+        K_sub = pooling.compress_keys(k.detach(), cfg)
+
+        def score_kernel():
+            pooling.query_aware_scores_triton(q.detach(), K_sub, pos, T // cfg.B, cfg)
+
+        def score_torch():
+            pooling.query_aware_scores_torch(q.detach(), K_sub, pos, T // cfg.B, cfg)
+
         t = {n: do_bench(f, warmup=50, rep=300, return_mode="median") for n, f in
-             (("nosa_fwd", nosa_f), ("nosa_fwd_bwd", nosa_fb), ("sdpa_fwd", sdpa_f), ("sdpa_fwd_bwd", sdpa_fb))}
+             (("nosa_fwd", nosa_f), ("nosa_fwd_bwd", nosa_fb), ("sdpa_fwd", sdpa_f), ("sdpa_fwd_bwd", sdpa_fb),
+              ("score_kernel", score_kernel), ("score_torch", score_torch))}
         rows.append(dict(T=T, **{f"{n}_ms": round(x, 3) for n, x in t.items()},
                          speedup_fwd_bwd=round(t["sdpa_fwd_bwd"] / t["nosa_fwd_bwd"], 2)))
     return rows

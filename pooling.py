@@ -14,10 +14,20 @@ With B a multiple of s_c, block b is overlapped by sub-blocks m = b*r - p ... b*
 r = B / s_c and p = (l_c - 1) // s_c (paper defaults: r = 4, p = 1, so 4b-1 ... 4b+3). The last of
 them reaches l_c - s_c tokens into block b+1; the config checks that this overhang stays inside
 the sliding window, so the score of every block that can be *chosen* (not forced) is final.
+
+Q has a torch twin (query_aware_scores_torch, the CPU path and the oracle) and a Triton kernel.
+The kernel is fused so that the T x M matrix P never reaches memory: a program takes a tile of
+query tokens (all G heads of the group), makes one pass over the sub-blocks for the softmax
+statistics and a second that forms P, sums it over the heads and max-pools it to blocks in
+registers. What it writes is T x nb twice (the max over each block's own r sub-blocks, and over its
+last p, which the next block also overlaps); a tiny epilogue combines them, 2 / r of the size of P.
 """
 import math
 
 import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 
 def fp32(x):
@@ -59,7 +69,7 @@ def max_to_blocks(x, nb, cfg):
 
 
 @torch.amp.autocast("cuda", enabled=False)  # scores, bias and softmax stay in fp32 under bf16 autocast
-def query_aware_scores(q, K_sub, q_pos, nb, cfg):
+def query_aware_scores_torch(q, K_sub, q_pos, nb, cfg):
     """Q[t, b]: q (Bz, H_q, T, d), K̃ (Bz, H_kv, M, d), q_pos (Bz, T) absolute positions -> (Bz, H_kv, T, nb).
 
     A query sees sub-block m only when all of its tokens are at or before the query's position,
@@ -74,3 +84,77 @@ def query_aware_scores(q, K_sub, q_pos, nb, cfg):
     P = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
     P = torch.where(visible, P, 0.0).sum(2)  # rows with nothing visible are NaN before the where; (Bz, H_kv, T, M)
     return max_to_blocks(P, nb, cfg)
+
+
+@triton.jit
+def _qscore_kernel(Q, KS, QPOS, OWN, LAST, scale, T, M, NB,
+                   H_kv: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
+                   R_SUB: tl.constexpr, P_OVER: tl.constexpr, S_C: tl.constexpr, L_C: tl.constexpr,
+                   NBT: tl.constexpr):
+    tile, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H_kv, bh % H_kv
+    ROWS: tl.constexpr = BT * GP
+    BM: tl.constexpr = NBT * R_SUB
+    r = tl.arange(0, ROWS)
+    t, g = tile * BT + r // GP, r % GP  # row = (token, head of the group)
+    row_ok = (t < T) & (g < G)
+    offs_d = tl.arange(0, D)
+    q = tl.load(Q + ((b * H_kv * G + h * G + g) * T + t)[:, None] * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    pos = tl.load(QPOS + b * T + t, mask=row_ok, other=-1)
+    # pass 1: softmax statistics over the sub-blocks each query sees
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    for m0 in range(0, M, BM):
+        offs_m = m0 + tl.arange(0, BM)
+        ks = tl.load(KS + (bh * M + offs_m)[:, None] * D + offs_d[None, :], mask=(offs_m < M)[:, None], other=0.0)
+        vis = (offs_m[None, :] < M) & (offs_m[None, :] * S_C + L_C - 1 <= pos[:, None])
+        s = tl.where(vis, tl.dot(q, tl.trans(ks)) * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), 1)
+        m_i = m_new
+    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    # pass 2: P summed over the heads of the group, max-pooled to blocks, in registers
+    t_tok = tile * BT + tl.arange(0, BT)
+    for m0 in range(0, NB * R_SUB, BM):
+        offs_m = m0 + tl.arange(0, BM)
+        ks = tl.load(KS + (bh * M + offs_m)[:, None] * D + offs_d[None, :], mask=(offs_m < M)[:, None], other=0.0)
+        vis = (offs_m[None, :] < M) & (offs_m[None, :] * S_C + L_C - 1 <= pos[:, None]) & row_ok[:, None]
+        p = tl.where(vis, tl.exp(tl.dot(q, tl.trans(ks)) * scale - m_safe[:, None]) / l_safe[:, None], 0.0)
+        P = tl.sum(tl.reshape(p, (BT, GP, BM)), 1)  # (BT, BM)
+        P = tl.where((offs_m < M)[None, :], P, float("-inf"))  # sub-blocks that do not exist yet
+        P3 = tl.reshape(P, (BT, NBT, R_SUB))
+        own = tl.max(P3, 2)  # (BT, NBT): max over each block's own r sub-blocks
+        last = tl.max(tl.where(tl.arange(0, R_SUB)[None, None, :] >= R_SUB - P_OVER, P3, float("-inf")), 2)
+        blocks = m0 // R_SUB + tl.arange(0, NBT)
+        out = (bh * T + t_tok[:, None]) * NB + blocks[None, :]
+        ok = (t_tok[:, None] < T) & (blocks[None, :] < NB)
+        tl.store(OWN + out, own, mask=ok)
+        tl.store(LAST + out, last, mask=ok)
+
+
+def query_aware_scores_triton(q, K_sub, q_pos, nb, cfg):
+    """The fused kernel; same signature and result as query_aware_scores_torch."""
+    Bz, H_q, T, D = q.shape
+    H_kv, M = K_sub.shape[1], K_sub.shape[2]
+    G, GP = H_q // H_kv, triton.next_power_of_2(H_q // H_kv)
+    r, p = cfg.B // cfg.s_c, (cfg.l_c - 1) // cfg.s_c
+    BT = max(1, 64 // GP)
+    NBT = max(1, 64 // r)
+    own = torch.empty(Bz, H_kv, T, nb, device=q.device, dtype=torch.float32)
+    last = torch.empty_like(own)
+    _qscore_kernel[(triton.cdiv(T, BT), Bz * H_kv)](
+        q.contiguous(), K_sub.contiguous(), q_pos.to(torch.int32).contiguous(), own, last, 1.0 / math.sqrt(D), T, M,
+        nb, H_kv=H_kv, G=G, GP=GP, D=D, BT=BT, R_SUB=r, P_OVER=p, S_C=cfg.s_c, L_C=cfg.l_c, NBT=NBT, num_warps=8)
+    # block b is also overlapped by the last p sub-blocks of block b - 1
+    return torch.maximum(own, F.pad(last, (1, 0), value=float("-inf"))[..., :nb])
+
+
+def query_aware_scores(q, K_sub, q_pos, nb, cfg):
+    """Q[t, b] (see query_aware_scores_torch): the Triton kernel on a GPU, the twin elsewhere."""
+    d, r, p = q.shape[-1], cfg.B // cfg.s_c, (cfg.l_c - 1) // cfg.s_c
+    if (q.is_cuda and q.dtype != torch.float64 and d >= 16 and d & (d - 1) == 0 and r & (r - 1) == 0 and p <= r
+            and K_sub.shape[2] > 0):
+        return query_aware_scores_triton(q, K_sub, q_pos, nb, cfg)
+    return query_aware_scores_torch(q, K_sub, q_pos, nb, cfg)

@@ -97,3 +97,22 @@ def test_slot_decode_kernel_matches_twin(G, d):
 def test_mask_to_indices():
     m = torch.tensor([[True, False, True, True], [False, False, False, True]])
     assert attention.mask_to_indices(m, 3).tolist() == [[0, 2, 3], [3, -1, -1]]
+
+
+@pytest.mark.parametrize("G, d, T, preset", [(1, 64, 50, "tiny"), (4, 128, 83, "tiny"), (16, 64, 40, "tiny"),
+                                             (2, 64, 300, "paper")])
+def test_query_aware_score_kernel_matches_twin(G, d, T, preset):
+    from nosa import Config
+    import pooling
+    cfg = Config.from_preset(preset)
+    Bz, H_kv = 2, 2
+    q = torch.randn(Bz, H_kv * G, T, d, device=DEV)
+    k = torch.randn(Bz, H_kv, T, d, device=DEV)
+    K_sub = pooling.compress_keys(k, cfg)
+    q_pos = torch.arange(T, device=DEV).expand(Bz, T)
+    nb = pooling.n_blocks(T, cfg)
+    want = pooling.query_aware_scores_torch(q, K_sub, q_pos, nb, cfg)
+    got = pooling.query_aware_scores_triton(q, K_sub, q_pos, nb, cfg)
+    finite = torch.isfinite(want)
+    assert torch.equal(finite, torch.isfinite(got))
+    assert rel_err(got[finite], want[finite]) < FP32_TOL
