@@ -96,7 +96,6 @@ def bench_gather(store_gib=4.0, moved_mib=64, k=64):
             gbs = nbytes / t / 1e9
             rows.append(dict(unit_kib=unit_kib, blocks=R * k, variant=name, gb_s=round(gbs, 2),
                              of_contiguous=round(gbs / contiguous, 3)))
-        del host, staging
     return rows
 
 

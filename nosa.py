@@ -30,7 +30,6 @@ Attention modes (METHOD.md §6), all from the same code:
   dma       F + the best blocks by E only, bias exp(c)
   nosa      dual selection, bias c (ED-DMA)
 """
-import math
 from dataclasses import asdict, dataclass, replace
 
 import torch

@@ -248,7 +248,7 @@ class OffloadCache:
     def attend(self, layer, q, block_mask):
         """q (Bz, H_q, 1, d) at positions self.len; block_mask (Bz, H_kv, 1, nb) = Γ(t)."""
         cfg, Bz = self.cfg, self.Bz
-        R, k, B, d = Bz * cfg.H_kv, cfg.k, cfg.B, cfg.head_dim
+        R, k, B = Bz * cfg.H_kv, cfg.k, cfg.B
         pos = self.len.repeat_interleave(cfg.H_kv)  # (R,)
         q_blk = pos // B
         sel = block_mask.reshape(R, -1)  # (R, nb)
@@ -264,7 +264,7 @@ class OffloadCache:
         self._timed_gather(layer)
         bias = eviction.attention_bias(self.c[layer], cfg.attn) if cfg.attn in ("nosa", "dma") else None
         o = attention.slot_attention(q, self.pool[layer], self.slot_block[layer], bias, self.len, B)
-        self._flush_full_tails(layer, pos, q_blk)
+        self._flush_full_tails(layer, q_blk)
         return o
 
     def _timed_gather(self, layer):
@@ -279,7 +279,7 @@ class OffloadCache:
             gather_units(self.host[layer], self.pool[layer], self.fetch[layer])
             self.stats.transfer_s += time.perf_counter() - t0
 
-    def _flush_full_tails(self, layer, pos, q_blk):
+    def _flush_full_tails(self, layer, q_blk):
         """A tail whose last token was just written goes to the host store and into a free slot."""
         cfg = self.cfg
         full_cpu = (self.len_cpu % cfg.B == cfg.B - 1).repeat_interleave(cfg.H_kv)  # (R,) on the host

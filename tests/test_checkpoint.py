@@ -10,7 +10,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 import checkpoint
 from model import KVCache, Transformer
-from nosa import Config
+from offload import OffloadCache
 
 HF_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 96,
              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -77,8 +77,10 @@ def test_hf_checkpoint_generates_same_logits_as_direct_model(tmp_path):
     idx = torch.randint(0, 300, (1, 200))
     with torch.no_grad():
         torch.testing.assert_close(loaded(idx), direct(idx), rtol=0, atol=0)
-        cache = KVCache(loaded.cfg, 1, "cpu", torch.float32)
-        assert loaded.generate([idx[0, :50].tolist()], 100, cache=cache) == direct.generate([idx[0, :50].tolist()], 100)
+        prompts = [idx[0, :50].tolist(), idx[0, 60:90].tolist()]  # a batch of two lengths
+        want = direct.generate(prompts, 100)
+        assert loaded.generate(prompts, 100, cache=KVCache(loaded.cfg, 2, "cpu", torch.float32)) == want
+        assert loaded.generate(prompts, 100, cache=OffloadCache(loaded.cfg, 2, "cpu", torch.float32)) == want
 
 
 @pytest.mark.parametrize("kind, kw, msg", [
