@@ -113,22 +113,28 @@ def _scores(q, kb, C, QPOS, MASK, b, bh, t, row_ok, blk, T, S, NB, scale,
 
 
 @triton.jit
+def _load_block(K, V, bh, blk, S, D: tl.constexpr, B: tl.constexpr):
+    """K and V of key block blk, (B, D) each; zeros past the end, and for blk = -1, which pads lists."""
+    tok = blk * B + tl.arange(0, B)
+    ok = (tok >= 0) & (tok < S)
+    kv = (bh * S + tok[:, None]) * D + tl.arange(0, D)[None, :]
+    return tl.load(K + kv, mask=ok[:, None], other=0.0), tl.load(V + kv, mask=ok[:, None], other=0.0)
+
+
+@triton.jit
 def _sparse_fwd(Q, K, V, C, TILE_IDX, MASK, QPOS, O, LSE, scale, T, S, NB, U,
                 H_kv: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
                 BT: tl.constexpr, HAS_BIAS: tl.constexpr):
     tile, bh = tl.program_id(0), tl.program_id(1)
     b, t, row_ok, rows = _tile_rows(tile * BT, bh, T, H_kv, G, GP, BT * GP)
-    offs_d, offs_n = tl.arange(0, D), tl.arange(0, B)
+    offs_d = tl.arange(0, D)
     q = tl.load(Q + rows[:, None] * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     m_i = tl.full([BT * GP], float("-inf"), tl.float32)
     l_i = tl.zeros([BT * GP], tl.float32)
     acc = tl.zeros([BT * GP, D], tl.float32)
     for i in range(U):  # the union of the blocks the tile's tokens selected, each read once for all
         blk = tl.load(TILE_IDX + ((bh * tl.num_programs(0) + tile) * U + i))
-        kv = (bh * S + blk * B + offs_n[:, None]) * D + offs_d[None, :]
-        k_ok = (blk * B + offs_n >= 0) & (blk * B + offs_n < S)  # blk = -1 pads the union
-        kb = tl.load(K + kv, mask=k_ok[:, None], other=0.0)
-        vb = tl.load(V + kv, mask=k_ok[:, None], other=0.0)
+        kb, vb = _load_block(K, V, bh, blk, S, D, B)
         s, ok = _scores(q, kb, C, QPOS, MASK, b, bh, t, row_ok, blk, T, S, NB, scale, B, HAS_BIAS)
         s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -149,7 +155,7 @@ def _sparse_bwd_dq(Q, K, V, C, TILE_IDX, MASK, QPOS, DO, LSE, DELTA, DQ, scale, 
                    BT: tl.constexpr, HAS_BIAS: tl.constexpr):
     tile, bh = tl.program_id(0), tl.program_id(1)
     b, t, row_ok, rows = _tile_rows(tile * BT, bh, T, H_kv, G, GP, BT * GP)
-    offs_d, offs_n = tl.arange(0, D), tl.arange(0, B)
+    offs_d = tl.arange(0, D)
     q = tl.load(Q + rows[:, None] * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     do = tl.load(DO + rows[:, None] * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     lse = tl.load(LSE + rows, mask=row_ok, other=0.0)
@@ -157,10 +163,7 @@ def _sparse_bwd_dq(Q, K, V, C, TILE_IDX, MASK, QPOS, DO, LSE, DELTA, DQ, scale, 
     dq = tl.zeros([BT * GP, D], tl.float32)
     for i in range(U):
         blk = tl.load(TILE_IDX + ((bh * tl.num_programs(0) + tile) * U + i))
-        kv = (bh * S + blk * B + offs_n[:, None]) * D + offs_d[None, :]
-        k_ok = (blk * B + offs_n >= 0) & (blk * B + offs_n < S)  # blk = -1 pads the union
-        kb = tl.load(K + kv, mask=k_ok[:, None], other=0.0)
-        vb = tl.load(V + kv, mask=k_ok[:, None], other=0.0)
+        kb, vb = _load_block(K, V, bh, blk, S, D, B)
         s, ok = _scores(q, kb, C, QPOS, MASK, b, bh, t, row_ok, blk, T, S, NB, scale, B, HAS_BIAS)
         p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
         ds = p * (tl.dot(do, tl.trans(vb)) - delta[:, None])
