@@ -198,6 +198,8 @@ class OffloadCache:
         R, cap = old.shape[:2]
         if cap >= n:
             return
+        if self.pin:  # write-backs into the old store may still be in flight (_flush_full_tails)
+            torch.cuda.current_stream(self.device).synchronize()
         self.host[layer] = self._host_alloc(R, max(n, 2 * cap), old.dtype)
         self.host[layer][:, :cap] = old
         table = torch.full((R, self.host[layer].shape[1]), -1, dtype=torch.long, device=self.device)
@@ -287,7 +289,8 @@ class OffloadCache:
             return
         r_cpu = torch.nonzero(full_cpu)[:, 0]
         qb_cpu = (self.len_cpu // cfg.B).repeat_interleave(cfg.H_kv)[r_cpu]
-        self.host[layer][r_cpu, qb_cpu] = self.tail[layer][r_cpu.to(self.device)].to("cpu")
+        for r, b in zip(r_cpu.tolist(), qb_cpu.tolist()):  # into pinned memory: asynchronous, stream-ordered
+            self.host[layer][r, b].copy_(self.tail[layer][r], non_blocking=True)
         r = r_cpu.to(self.device)
         free = torch.argmax((self.slot_block[layer][r] < 0).to(torch.uint8), 1)  # first free slot
         self.pool[layer][r, free] = self.tail[layer][r]
