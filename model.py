@@ -158,6 +158,8 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def generate(self, prompts, max_new_tokens, temperature=0.0, top_k=None, cache=None):
         """Prompts: list of token lists (lengths may differ). Returns the new tokens of each."""
+        if not prompts or max_new_tokens < 1:
+            raise ValueError("give at least one prompt and max_new_tokens >= 1")
         longest = max(len(p) for p in prompts) + max_new_tokens
         if longest > self.cfg.max_seq_len:
             raise ValueError(f"prompt + max_new_tokens = {longest} tokens exceeds max_seq_len="

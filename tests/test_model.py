@@ -144,7 +144,13 @@ def test_sampling():
         assert (top3 == s[:, None]).any(-1).all()
 
 
-def test_prompt_too_long_raises():
+def test_bad_generation_requests_raise():
     model = make_model("nosa", torch.float32, max_seq_len=64)
     with pytest.raises(ValueError, match="max_seq_len"):
         model.generate([[1] * 60], max_new_tokens=10)
+    with pytest.raises(ValueError, match="at least one prompt"):
+        model.generate([], max_new_tokens=10)
+    with pytest.raises(ValueError, match="max_new_tokens >= 1"):
+        model.generate([[1, 2]], max_new_tokens=0)
+    with pytest.raises(ValueError, match="empty prompt"):
+        model.generate([[1, 2], []], max_new_tokens=3)
