@@ -116,3 +116,33 @@ def test_query_aware_score_kernel_matches_twin(G, d, T, preset):
     finite = torch.isfinite(want)
     assert torch.equal(finite, torch.isfinite(got))
     assert rel_err(got[finite], want[finite]) < FP32_TOL
+
+
+def test_model_through_the_kernels(monkeypatch):
+    """The whole system on the kernel path (compiled on a GPU, interpreted on CPU): the parallel
+    forward matches the twins, and offloaded decoding through the scoring and slot kernels matches
+    the parallel forward through the training kernels."""
+    from model import KVCache
+    from offload import OffloadCache
+    import pooling
+    from tests.test_model import make_model
+    kw = dict(n_layer=1, dim=64, H_q=4, H_kv=2, head_dim=16, hidden_dim=96, vocab_size=97, B=16, l_c=8, s_c=4,
+              n_sink=1, n_win=1, k=4, k_q=1)  # k·B = 64 tokens
+    model = make_model("nosa", torch.float32, **kw).to(DEV)
+    idx = torch.randint(0, 97, (2, 150), device=DEV)
+    with torch.no_grad():
+        ref = model(idx)  # the twins (on a GPU: the kernels already)
+        monkeypatch.setattr(attention, "use_triton", lambda x, B: True)
+        monkeypatch.setattr(pooling, "query_aware_scores", pooling.query_aware_scores_triton)
+        par = model(idx)
+        assert rel_err(par, ref) < FP32_TOL
+        prompt_lens = [20, 70]
+        for cache in (OffloadCache(model.cfg, 2, DEV, torch.float32), KVCache(model.cfg, 2, DEV, torch.float32)):
+            out = [[model(idx[i:i + 1, :P], cache, seq=i)[0, -1]] for i, P in enumerate(prompt_lens)]
+            for s in range(idx.shape[1] - max(prompt_lens)):
+                logits = model.decode(torch.stack([idx[i, P + s] for i, P in enumerate(prompt_lens)]), cache)
+                for i in range(2):
+                    out[i].append(logits[i])
+            for i, P in enumerate(prompt_lens):
+                got = torch.stack(out[i])
+                assert rel_err(got, par[i, P - 1:P - 1 + got.shape[0]]) < FP32_TOL
