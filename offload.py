@@ -139,6 +139,30 @@ class Stats:
 # The offloaded cache
 
 
+def cache_bytes(cfg, Bz, max_len, dtype, offload=True):
+    """(GPU bytes, host bytes) of the KV cache of Bz sequences of up to max_len tokens: with offload,
+    k + 1 slots of K and V per (sequence, layer, KV head) on the GPU and every block in host memory;
+    without, every block on the GPU. Both keep the eviction scores c (fp32) and the pooled caches
+    K̃, c̃ on the GPU. The weights are not counted."""
+    L, H, B, d, k = cfg.n_layer, cfg.H_kv, cfg.B, cfg.head_dim, cfg.k
+    elt = torch.empty((), dtype=dtype).element_size()
+    unit = 2 * B * d * elt  # one block of K and V
+    blocks = L * Bz * H * math.ceil(max_len / B) * unit
+    side = L * Bz * H * (max_len * 4 + (max_len // cfg.s_c + 1) * (d * elt + 4))
+    return (L * Bz * H * (k + 1) * unit + side, blocks) if offload else (blocks + side, 0)
+
+
+def max_batch(cfg, max_len, dtype, gpu_budget, host_budget=None, offload=True, limit=4096):
+    """The largest batch whose cache fits both budgets (0 if none does)."""
+    fits = lambda n: all(need <= budget for need, budget in zip(cache_bytes(cfg, n, max_len, dtype, offload),
+                                                                 (gpu_budget, host_budget)) if budget is not None)
+    lo, hi = 0, limit
+    while lo < hi:  # binary search: the cache grows with the batch
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
 def host_bytes_available():
     try:
         with open("/proc/meminfo") as f:
@@ -161,9 +185,7 @@ class OffloadCache:
         max_len = max_len or cfg.max_seq_len
         cap = math.ceil(max_len / B)
         unit = 2 * B * d * elt
-        # check both budgets before allocating anything
-        need_host = L * R * cap * unit
-        need_gpu = L * R * (k + 1) * unit + L * Bz * H * max_len * 4 + L * R * (max_len // cfg.s_c + 1) * (d * elt + 4)
+        need_gpu, need_host = cache_bytes(cfg, Bz, max_len, dtype)  # both budgets, before allocating anything
         host_budget = host_budget or host_bytes_available()
         if gpu_budget is None and self.device.type == "cuda":
             gpu_budget = torch.cuda.mem_get_info(self.device)[0]

@@ -112,6 +112,15 @@ def test_budgets_and_modes_raise_before_allocating():
         OffloadCache(model.cfg, 4, "cpu", torch.float32, max_len=1 << 20, host_budget=1 << 20)
     with pytest.raises(MemoryError, match="GPU slot pool needs .* lower the batch"):
         OffloadCache(model.cfg, 64, "cpu", torch.float32, max_len=1024, gpu_budget=1 << 16)
+    # the largest batch that fits is accepted, one more is refused
+    gpu, host = offload.cache_bytes(model.cfg, 10, 1024, torch.float32)
+    n = offload.max_batch(model.cfg, 1024, torch.float32, gpu_budget=gpu + 1, host_budget=host * 2)
+    assert n == 10
+    OffloadCache(model.cfg, n, "cpu", torch.float32, max_len=1024, gpu_budget=gpu + 1, host_budget=host * 2)
+    with pytest.raises(MemoryError, match="GPU slot pool needs"):
+        OffloadCache(model.cfg, n + 1, "cpu", torch.float32, max_len=1024, gpu_budget=gpu + 1, host_budget=host * 2)
+    resident = offload.max_batch(model.cfg, 1024, torch.float32, gpu_budget=gpu + 1, offload=False)
+    assert 0 < resident < n  # the point of offloading: more sequences in the same GPU memory
     with pytest.raises(ValueError, match="sparse attention mode"):
         OffloadCache(make_model("full", torch.float32).cfg, 1, "cpu", torch.float32)
 
