@@ -5,6 +5,7 @@ Benchmarks, run on the GPU machine; every figure is a ratio against a limit meas
     python bench.py prefill                      # sparse attention fwd+bwd vs dense SDPA (flash), paper defaults
     python bench.py decode                       # decode kernels vs HBM bandwidth, batch 1..64
     python bench.py quality --ckpts DIR          # trained tiny models: long-context quality (CPU is fine)
+    python bench.py throughput --shape 8b --prompt-len 32768 --budget-gb 24   # decode at a fixed GPU budget
 
 Record results with their command in BENCHMARKS.md.
 """
@@ -249,9 +250,75 @@ def bench_quality(ckpts, windows=16, T=1024, n_prompts=8, prompt_len=128, gen_le
     return rows
 
 
-def main(what, json_path=None, ckpts="checkpoints"):
+SHAPES = {  # random-weight model shapes for the throughput benchmark
+    "tiny": ("tiny", {}),
+    "1b": ("paper", {}),
+    "8b": ("paper", dict(n_layer=32, dim=4096, H_q=32, H_kv=2, head_dim=128, hidden_dim=14336)),
+}
+
+
+def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, warmup=8, batch_limit=256):
+    """Steady-state decode tokens/s at a fixed GPU memory budget, random weights (so the query-aware
+    selection is random too: hit rates here are not those of a trained model). Each system gets the
+    largest batch whose weights + KV cache fit the budget (offload.max_batch, a 2 GiB margin for
+    activations on a GPU); the cache is filled through the ordinary prefill path with random K, V, c."""
+    from dataclasses import replace
+    from model import KVCache, Transformer
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    preset, over = SHAPES[shape]
+    base = Config.from_preset(preset, **over, max_seq_len=prompt_len + steps + warmup + 1)
+    rows = []
+    for system, attn, use_offload in (("full, resident cache", "full", False), ("infllmv2 + offload", "infllmv2", True),
+                                      ("nosa + offload", "nosa", True), ("nosa, resident cache", "nosa", False)):
+        cfg = replace(base, attn=attn)
+        torch.manual_seed(0)
+        model = Transformer(cfg).to(dev, dtype).eval()
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        free = budget_gb * 2**30 - weights - (2 * 2**30 if dev == "cuda" else 0)
+        max_len = prompt_len + steps + warmup + 1
+        Bz = min(batch_limit, offload.max_batch(cfg, max_len, dtype, free, offload.host_bytes_available()
+                                                if use_offload else None, offload=use_offload))
+        if Bz == 0:
+            rows.append(dict(system=system, batch=0, tokens_s=0.0))
+            continue
+        cache = (offload.OffloadCache(cfg, Bz, dev, dtype, max_len=max_len) if use_offload
+                 else KVCache(cfg, Bz, dev, dtype))
+        with torch.no_grad():
+            for seq in range(Bz):
+                for layer in range(cfg.n_layer):
+                    k, v = torch.randn(2, cfg.H_kv, prompt_len, cfg.head_dim, device=dev, dtype=dtype)
+                    c = torch.randn(cfg.H_kv, prompt_len, device=dev) if attn in ("nosa", "dma") else None
+                    cache.prefill(layer, seq, k, v, c)
+            tok = torch.randint(0, cfg.vocab_size, (Bz,), device=dev)
+            for i in range(warmup + steps):
+                if i == warmup:
+                    if dev == "cuda":
+                        torch.cuda.synchronize()
+                        torch.cuda.reset_peak_memory_stats()
+                    t0 = time.perf_counter()
+                    moved0 = cache.stats.moved.sum().item() if use_offload else 0
+                tok = model.decode(tok, cache).argmax(-1)
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+        row = dict(system=system, batch=Bz, tokens_s=round(Bz * steps / dt, 1), step_ms=round(dt / steps * 1e3, 2),
+                   gpu_mem_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev == "cuda" else None)
+        if use_offload:
+            moved = cache.stats.moved.sum().item() - moved0
+            row.update(hit_rate=round(1 - cache.stats.moved.sum().item() / max(cache.stats.needed.sum().item(), 1), 3),
+                       mb_per_step=round(moved * cache.stats.unit_bytes / steps / 1e6, 2))
+        rows.append(row)
+        print(row, flush=True)
+        del cache, model
+    return rows
+
+
+def main(what, json_path=None, ckpts="checkpoints", **throughput):
     if what == "quality":
         rows = bench_quality(ckpts)
+    elif what == "throughput":
+        rows = bench_throughput(**throughput)
     else:
         if not torch.cuda.is_available():
             raise SystemExit("bench.py measures the GPU machine: no CUDA device here")
@@ -260,16 +327,21 @@ def main(what, json_path=None, ckpts="checkpoints"):
     if json_path:
         with open(json_path, "w") as f:
             json.dump(rows, f, indent=1)
-    keys = list(rows[0])
+    keys = list(dict.fromkeys(k for r in rows for k in r))
     print(" | ".join(keys))
     for r in rows:
-        print(" | ".join(str(r[k]) for k in keys))
+        print(" | ".join(str(r.get(k, "")) for k in keys))
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description="NOSA / NOSI benchmarks (GPU)")
-    p.add_argument("what", choices=["gather", "prefill", "decode", "quality"], help="which benchmark")
+    p.add_argument("what", choices=["gather", "prefill", "decode", "quality", "throughput"], help="which benchmark")
     p.add_argument("--json", help="also write the rows to this file")
     p.add_argument("--ckpts", default="checkpoints", help="quality: directory with nosa/ full/ infllmv2/ dma/")
+    p.add_argument("--shape", default="tiny", choices=sorted(SHAPES), help="throughput: model shape")
+    p.add_argument("--prompt-len", type=int, default=4096, help="throughput: context before decoding")
+    p.add_argument("--budget-gb", type=float, default=24.0, help="throughput: GPU memory budget")
+    p.add_argument("--steps", type=int, default=256, help="throughput: timed decode steps")
     a = p.parse_args()
-    main(a.what, a.json, a.ckpts)
+    kw = dict(shape=a.shape, prompt_len=a.prompt_len, budget_gb=a.budget_gb, steps=a.steps) if a.what == "throughput" else {}
+    main(a.what, a.json, a.ckpts, **kw)
