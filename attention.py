@@ -6,18 +6,20 @@ Block-sparse attention with a per-token additive bias: torch twins and Triton ke
 Notation: Bz batch, H_q / H_kv query / KV heads, G = H_q / H_kv, T queries, S keys, d head dim,
 B block size, k selected blocks per (query, KV head), R = Bz·H_kv rows of the slot pool.
 
-  sparse_attention   training, prefill, and decode against a resident cache. Selection given as a
-                     block mask (the twin) or as k block ids per query (the kernels).
+  sparse_attention   training, prefill, and decode against a resident cache; the selection comes
+                     as a block mask (Bz, H_kv, T, nb).
   slot_attention     decode against the GPU slot pool of offload.py: k slots + the tail block.
 
 Every kernel has its twin here, with the same signature; the twin is the CPU path and the oracle of
 the tests (tests/test_kernels.py, run under TRITON_INTERPRET=1 on CPU). Kernel design:
-  - one program per (query token, KV head) carries the G query heads of the group, so each K/V
-    block a token selected is read once for all of them ((G, d) x (d, B) dots, G padded to 16);
+  - a program takes a tile of BT consecutive query tokens with all G heads of their group (about
+    128 rows) and walks the union of the blocks those tokens selected: neighbours share the forced
+    blocks and the query-agnostic core, so each K/V block is read once per tile for every head, and
+    the dots are (BT·G, d) x (d, B); which row may see which block comes from the uint8 block mask;
   - the bias is added after the 1/√d scale, the softmax is online, in fp32;
-  - backward: dq per (token, KV head) as in the forward; dk, dv and dc = column sums of dS per
-    (key block, KV head), walking the query tiles that can see the block and skipping the tiles in
-    which no query selected it (a uint8 block mask tells, T x nb bytes);
+  - backward: dq per tile as in the forward; dk, dv and dc (column sums of dS) per key block, over
+    a reverse index of the tiles that selected it, in chunks that add up atomically in fp32, so the
+    blocks every query selects (sink, window) do not serialise the launch;
   - decode: one program per (row, split) over the resident slots, partial results merged by
     log-sum-exp (flash-decoding), so a small batch still fills the GPU.
 """
