@@ -42,6 +42,8 @@ def main(checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, prompt=DEFAULT_PROMPT, ma
     ids = tokenizer.encode(prompt).ids
     if not ids:
         raise ValueError("the prompt is empty after tokenisation; give some text with --prompt")
+    model.check_length(len(ids), max_new_tokens)  # before any cache is allocated
+
     def new_cache():
         if not offload:
             return None
@@ -52,6 +54,7 @@ def main(checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, prompt=DEFAULT_PROMPT, ma
     if device.startswith("cuda"):  # warm-up: build uva_copy.cu and compile the kernels outside the timing
         model.generate([ids] * batch, 2, temperature, top_k, cache=new_cache())
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # give the warm-up cache back before the budget check of the real one
     cache = new_cache()
     t0 = time.perf_counter()
     out = model.generate([ids] * batch, max_new_tokens, temperature, top_k, cache=cache)

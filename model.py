@@ -155,15 +155,17 @@ class Transformer(nn.Module):
         cache.advance()
         return self.lm_head(self.norm(x))[:, 0]
 
+    def check_length(self, prompt_len, max_new_tokens):
+        if prompt_len + max_new_tokens > self.cfg.max_seq_len:
+            raise ValueError(f"prompt + max_new_tokens = {prompt_len + max_new_tokens} tokens exceeds max_seq_len="
+                             f"{self.cfg.max_seq_len}; shorten the prompt or generate fewer tokens")
+
     @torch.no_grad()
     def generate(self, prompts, max_new_tokens, temperature=0.0, top_k=None, cache=None):
         """Prompts: list of token lists (lengths may differ). Returns the new tokens of each."""
         if not prompts or max_new_tokens < 1:
             raise ValueError("give at least one prompt and max_new_tokens >= 1")
-        longest = max(len(p) for p in prompts) + max_new_tokens
-        if longest > self.cfg.max_seq_len:
-            raise ValueError(f"prompt + max_new_tokens = {longest} tokens exceeds max_seq_len="
-                             f"{self.cfg.max_seq_len}; shorten the prompt or generate fewer tokens")
+        self.check_length(max(len(p) for p in prompts), max_new_tokens)
         if min(len(p) for p in prompts) == 0:
             raise ValueError("empty prompt: give at least one token per sequence")
         dev = self.embed_tokens.weight.device
