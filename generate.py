@@ -18,15 +18,54 @@ import checkpoint
 from model import Transformer
 from nosa import Config
 
-DEFAULT_PROMPT = '''import os
-import sys
+# Long enough (about 400 tokens) that sparse selection and offloading are already at work in the prompt.
+DEFAULT_PROMPT = '''"""A small key-value store that keeps recent entries in memory and the rest on disk."""
+
+import json
+import os
+import threading
+from collections import OrderedDict
 
 
-def main(argv=None):
-    """Parse the command line and run.'''
+class Store:
+    """Keep at most `capacity` entries in memory; evict the least recently used to disk."""
+
+    def __init__(self, path, capacity=128):
+        self.path = path
+        self.capacity = capacity
+        self._memory = OrderedDict()
+        self._lock = threading.Lock()
+        os.makedirs(path, exist_ok=True)
+
+    def _file(self, key):
+        return os.path.join(self.path, f"{key}.json")
+
+    def get(self, key, default=None):
+        with self._lock:
+            if key in self._memory:
+                self._memory.move_to_end(key)
+                return self._memory[key]
+        try:
+            with open(self._file(key)) as f:
+                value = json.load(f)
+        except FileNotFoundError:
+            return default
+        self.put(key, value)
+        return value
+
+    def put(self, key, value):
+        with self._lock:
+            self._memory[key] = value
+            self._memory.move_to_end(key)
+            while len(self._memory) > self.capacity:
+                old_key, old_value = self._memory.popitem(last=False)
+                with open(self._file(old_key), "w") as f:
+                    json.dump(old_value, f)
+
+    def delete(self, key):'''
 
 
-def main(checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, prompt=DEFAULT_PROMPT, max_new_tokens=200, batch=1,
+def main(checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, prompt=DEFAULT_PROMPT, max_new_tokens=300, batch=1,
          temperature=0.8, top_k=50, offload=False, device=None, seed=1337, quiet=False, attn=None):
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(seed)
@@ -39,34 +78,37 @@ def main(checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, prompt=DEFAULT_PROMPT, ma
         tokenizer = checkpoint.byte_tokenizer()
         model = Transformer(Config.from_preset("tiny", vocab_size=tokenizer.get_vocab_size(), **overrides))
         model = model.to(device).eval()
-    ids = tokenizer.encode(prompt).ids
-    if not ids:
-        raise ValueError("the prompt is empty after tokenisation; give some text with --prompt")
-    model.check_length(len(ids), max_new_tokens)  # before any cache is allocated
+    prompts = [prompt] if isinstance(prompt, str) else list(prompt)  # several prompts: a ragged batch
+    prompts = [prompts[i % len(prompts)] for i in range(max(batch, len(prompts)))]
+    batch = len(prompts)
+    ids = [tokenizer.encode(p).ids for p in prompts]
+    if not all(ids):
+        raise ValueError("a prompt is empty after tokenisation; give some text with --prompt")
+    model.check_length(max(map(len, ids)), max_new_tokens)  # before any cache is allocated
 
     def new_cache():
         if not offload:
             return None
         import offload as nosi
         return nosi.OffloadCache(model.cfg, batch, device, model.embed_tokens.weight.dtype,
-                                 max_len=len(ids) + max_new_tokens)
+                                 max_len=max(map(len, ids)) + max_new_tokens)
 
     if device.startswith("cuda"):  # warm-up: build uva_copy.cu and compile the kernels outside the timing
-        model.generate([ids] * batch, 2, temperature, top_k, cache=new_cache())
+        model.generate(ids, 2, temperature, top_k, cache=new_cache())
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # give the warm-up cache back before the budget check of the real one
     cache = new_cache()
     t0 = time.perf_counter()
-    out = model.generate([ids] * batch, max_new_tokens, temperature, top_k, cache=cache)
+    out = model.generate(ids, max_new_tokens, temperature, top_k, cache=cache)
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     if not quiet:
         for i, seq in enumerate(out):
-            print(f"--- sample {i} ---\n{prompt}{tokenizer.decode(seq)}")
+            print(f"--- sample {i} ---\n{prompts[i]}{tokenizer.decode(seq)}")
         print("---")
     n_tok = batch * max_new_tokens
-    print(f"tokens/sec: {n_tok / dt:.1f} ({n_tok} tokens in {dt:.2f} s, batch {batch}, prompt {len(ids)} tokens, "
+    print(f"tokens/sec: {n_tok / dt:.1f} ({n_tok} tokens in {dt:.2f} s, batch {batch}, prompts of {min(map(len, ids))}-{max(map(len, ids))} tokens, "
           f"{model.cfg.attn}, {device})")
     if cache is not None:
         print(cache.stats.summary())
@@ -77,10 +119,10 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description="Generate text with a NOSA model.")
     p.add_argument("--checkpoint", default=checkpoint.DEFAULT_CHECKPOINT,
                    help="checkpoint directory (default: the embedded tiny model)")
-    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text")
-    p.add_argument("--prompt-file", help="read the prompt from this file instead")
-    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate per sequence")
-    p.add_argument("--batch", type=int, default=1, help="sequences generated together")
+    p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch of different prompts")
+    p.add_argument("--prompt-file", action="append", help="read a prompt from this file (repeatable)")
+    p.add_argument("--max-new-tokens", type=int, default=300, help="tokens to generate per sequence")
+    p.add_argument("--batch", type=int, default=1, help="sequences generated together (prompts are cycled)")
     p.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
     p.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens (0: all)")
     p.add_argument("--offload", action="store_true", help="keep the KV cache in host memory (NOSI)")
@@ -90,5 +132,5 @@ if __name__ == "__main__":
     p.add_argument("--attn", choices=["nosa", "full", "infllmv2", "dma"],
                    help="override the checkpoint's attention mode (e.g. infllmv2: training-free sparse decoding)")
     a = p.parse_args()
-    prompt = open(a.prompt_file).read() if a.prompt_file else a.prompt
+    prompt = (a.prompt or []) + [open(f).read() for f in a.prompt_file or []] or DEFAULT_PROMPT
     main(a.checkpoint, prompt, a.max_new_tokens, a.batch, a.temperature, a.top_k, a.offload, a.device, a.seed, a.quiet, a.attn)

@@ -29,6 +29,15 @@ def test_generate_main(offload, capsys):
     assert ("hit rate:" in printed) == offload
 
 
+def test_generate_main_ragged_prompts(capsys):
+    """Different prompts in one batch: each sequence continues its own prompt, offloaded or not."""
+    prompts = ["import os\n", "def add(a, b):\n    return a + b\n\n\nclass Point:"]
+    a = generate.main(prompt=prompts, max_new_tokens=30, temperature=0.0, offload=True, device="cpu", quiet=True)
+    b = [generate.main(prompt=p, max_new_tokens=30, temperature=0.0, device="cpu", quiet=True)[0] for p in prompts]
+    assert a == b
+    assert "prompts of 3-" in capsys.readouterr().out
+
+
 def test_greedy_offload_matches_resident():
     a = generate.main(max_new_tokens=300, temperature=0.0, offload=False, device="cpu", quiet=True)
     b = generate.main(max_new_tokens=300, temperature=0.0, offload=True, device="cpu", quiet=True)
