@@ -281,7 +281,7 @@ class SparseAttention(torch.autograd.Function):
     per tile and the dots are (BT·G, d) x (d, B). Per-row selection comes from the uint8 block mask."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, block_mask, q_pos, B):
+    def forward(ctx, q, k, v, bias, block_mask, q_pos, B, k_sel=None):
         Bz, H_q, T, D = q.shape
         H_kv, S = k.shape[1], k.shape[2]
         G = H_q // H_kv
@@ -290,7 +290,8 @@ class SparseAttention(torch.autograd.Function):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         mask = block_mask.to(torch.uint8).contiguous()  # (Bz, H_kv, T, nb)
         tiles = F.pad(block_mask, (0, 0, 0, nT * BT - T)).view(Bz, H_kv, nT, BT, nb).any(3)  # (Bz, H_kv, nT, nb)
-        U = int(tiles.sum(-1).max())
+        # blocks per tile: one query (decode) selects at most k, known without asking the device
+        U = min(k_sel, nb) if (T == 1 and k_sel) else int(tiles.sum(-1).max())
         tile_idx = mask_to_indices(tiles, U)
         q_pos = q_pos.to(torch.int32).contiguous()
         c = fp32(bias).contiguous() if bias is not None else q.new_empty(1, dtype=torch.float32)
@@ -326,7 +327,7 @@ class SparseAttention(torch.autograd.Function):
         _sparse_bwd_dkv[(nb, triton.cdiv(int(rev_cnt.max()), chunk), Bz * H_kv)](
             q, k, v, c, rev_idx, rev_cnt, mask, q_pos, do, lse, delta, dk, dv, dc, scale, T, S, nb, nT,
             CHUNK=chunk, **meta, **LAUNCH)
-        return dq, dk.to(k.dtype), dv.to(v.dtype), (dc if meta["HAS_BIAS"] else None), None, None, None
+        return dq, dk.to(k.dtype), dv.to(v.dtype), (dc if meta["HAS_BIAS"] else None), None, None, None, None
 
 
 def use_triton(x, B):
@@ -347,7 +348,7 @@ def sparse_attention(q, k, v, bias, block_mask, q_pos, cfg):
         causal = (j <= q_pos[..., None])[:, None]  # (Bz, 1, T, S)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal if T < S else None, is_causal=T == S,
                                               enable_gqa=True)
-    return SparseAttention.apply(q, k, v, bias, block_mask, q_pos, cfg.B)
+    return SparseAttention.apply(q, k, v, bias, block_mask, q_pos, cfg.B, cfg.k)
 
 
 def slot_attention_triton(q, pool, slot_block, bias, pos, B, n_split=None):

@@ -69,7 +69,7 @@ def test_sparse_attention_kernel_ragged_decode_positions():
     q_pos = torch.tensor([[5], [47], [89]], device=DEV)
     mask = random_block_mask(Bz, H_kv, 1, B, k, q_pos)
     want = attention.sparse_attention_torch(q, kk, v, None, mask, q_pos, B)
-    got = attention.SparseAttention.apply(q, kk, v, None, mask, q_pos, B)
+    got = attention.SparseAttention.apply(q, kk, v, None, mask, q_pos, B, k)  # T = 1: the union bound is k
     assert rel_err(got, want) < FP32_TOL
 
 
