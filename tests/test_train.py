@@ -84,7 +84,7 @@ def test_ddp_two_processes_on_cpu(corpus, tmp_path):
             dict(data=corpus, data_dir=str(tmp_path / "data"), out=out, steps=3, eval_every=3, seq_len=64,
                  batch_size=2, warmup=1, device="cpu").items()]
     args += [f"--set={k}={v}" for k, v in small.items()]
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "train.py"] + args,
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py"] + args,
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "x 4 x 64 tokens" in r.stdout  # 2 processes x batch 2
