@@ -228,14 +228,11 @@ class OffloadCache:
         table[:, :cap] = self.block_slot[layer]
         self.block_slot[layer] = table
 
-    def rows(self, seq):
-        return torch.arange(seq * self.cfg.H_kv, (seq + 1) * self.cfg.H_kv)
-
     def prefill(self, layer, seq, k, v, c):
         """One sequence's prompt: k, v (H_kv, T, d), c (H_kv, T). Whole blocks go to the host store,
         the rest to the tail; nothing is resident yet, so the first step gathers its selection."""
         cfg, T = self.cfg, k.shape[1]
-        n_full, r = T // cfg.B, self.rows(seq)
+        n_full, r = T // cfg.B, torch.arange(seq * cfg.H_kv, (seq + 1) * cfg.H_kv)  # its rows
         self._ensure_blocks(layer, n_full + 1)
         kv = torch.stack([k, v], 1)  # (H_kv, 2, T, d)
         blocks = kv[:, :, :n_full * cfg.B].reshape(cfg.H_kv, 2, n_full, cfg.B, cfg.head_dim).transpose(1, 2)
