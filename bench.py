@@ -6,6 +6,7 @@ Benchmarks, run on the GPU machine; every figure is a ratio against a limit meas
     python bench.py decode                       # decode kernels vs HBM bandwidth, batch 1..64
     python bench.py quality --ckpts DIR          # trained tiny models: long-context quality (CPU is fine)
     python bench.py throughput --shape 8b --prompt-len 32768 --budget-gb 24   # decode at a fixed GPU budget
+    python bench.py throughput --trained --ckpts DIR --prompt-len 8192        # the same, trained tiny models
 
 Record results with their command in BENCHMARKS.md.
 """
@@ -255,70 +256,170 @@ SHAPES = {  # random-weight model shapes for the throughput benchmark
     "1b": ("paper", {}),
     "8b": ("paper", dict(n_layer=32, dim=4096, H_q=32, H_kv=2, head_dim=128, hidden_dim=14336)),
 }
+PHASES = ("weights", "selection", "transfer", "attention")
 
 
-def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, warmup=8, batch_limit=256):
-    """Steady-state decode tokens/s at a fixed GPU memory budget, random weights (so the query-aware
-    selection is random too: hit rates here are not those of a trained model). Each system gets the
-    largest batch whose weights + KV cache fit the budget (offload.max_batch, a 2 GiB margin for
-    activations on a GPU); the cache is filled through the ordinary prefill path with random K, V, c."""
+class Timeline:
+    """Splits eager decode steps by phase (model.phase marks): CUDA events on a GPU, a clock on CPU.
+    A phase's time runs from its mark to the next, so launch gaps count where they happen."""
+
+    def __init__(self, cuda):
+        self.cuda, self.marks = cuda, []
+
+    def mark(self, name):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+        else:
+            e = time.perf_counter()
+        self.marks.append((name, e))
+
+    def split_ms(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+        ms = dict.fromkeys(PHASES, 0.0)
+        for (name, a), (_, b) in zip(self.marks, self.marks[1:]):
+            if name in ms:
+                ms[name] += a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+        return ms
+
+
+def pinned_bandwidth(nbytes=256 * 2**20):
+    """Contiguous pinned host -> device copy, GB/s: the PCIe limit the gathers are held to."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    return nbytes / wall(lambda: dst.copy_(src, non_blocking=True)) / 1e9
+
+
+def real_prompts(tok, n, T):
+    """n windows of T tokens from the default corpus (train.py), spread over it."""
+    import train
+    ids = [i for _, text in train.documents() for i in tok.encode(text).ids]
+    starts = torch.linspace(0, len(ids) - T - 1, n).long().tolist()
+    return [ids[s:s + T] for s in starts]
+
+
+def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, warmup=8, batch_limit=256,
+                     host_gb=None, ckpts=None, eager_steps=8):
+    """Steady-state decode tokens/s at a fixed GPU memory budget. Each system gets the largest batch
+    whose weights + KV cache fit the budget (offload.max_batch, a 2 GiB margin for activations on a
+    GPU). With random weights (the default) the cache is filled with random K, V, c through the
+    prefill path, so the query-aware selection is random: hit rates are then the guaranteed bound's
+    worst case, not a trained model's. With ckpts (train.py's tiny models: DIR/{nosa,full,infllmv2})
+    the prompts are real text run through each trained model: real selections.
+    Per system: eager steps split by phase (weights, selection, transfer, attention), then the same
+    step as a CUDA graph (model.GraphedDecode; dense attention has dynamic shapes and stays eager)."""
     from dataclasses import replace
-    from model import KVCache, Transformer
+    import model as M
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    cuda = dev == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
     preset, over = SHAPES[shape]
-    base = Config.from_preset(preset, **over, max_seq_len=prompt_len + steps + warmup + 1)
+    max_len = prompt_len + 2 * eager_steps + warmup + steps + 2
+    base = Config.from_preset(preset, **over, max_seq_len=max_len)
+    hbm, pcie = (hbm_bandwidth(), pinned_bandwidth()) if cuda else (None, None)
+    host_budget = host_gb * 2**30 if host_gb else offload.host_bytes_available()
     rows = []
     for system, attn, use_offload in (("full, resident cache", "full", False), ("infllmv2 + offload", "infllmv2", True),
                                       ("nosa + offload", "nosa", True), ("nosa, resident cache", "nosa", False)):
-        cfg = replace(base, attn=attn)
         torch.manual_seed(0)
-        model = Transformer(cfg).to(dev, dtype).eval()
+        if ckpts:
+            import checkpoint
+            model, tok = checkpoint.load(f"{ckpts}/{attn}", dev, dtype, max_seq_len=max_len)
+        else:
+            model = M.Transformer(replace(base, attn=attn)).to(dev, dtype)
+        model.eval()
+        cfg = model.cfg
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
-        free = budget_gb * 2**30 - weights - (2 * 2**30 if dev == "cuda" else 0)
-        max_len = prompt_len + steps + warmup + 1
-        Bz = min(batch_limit, offload.max_batch(cfg, max_len, dtype, free, offload.host_bytes_available()
-                                                if use_offload else None, offload=use_offload))
-        if Bz == 0:
-            rows.append(dict(system=system, batch=0, tokens_s=0.0))
-            continue
-        cache = (offload.OffloadCache(cfg, Bz, dev, dtype, max_len=max_len) if use_offload
-                 else KVCache(cfg, Bz, dev, dtype))
-        with torch.no_grad():
-            for seq in range(Bz):
-                for layer in range(cfg.n_layer):
-                    k, v = torch.randn(2, cfg.H_kv, prompt_len, cfg.head_dim, device=dev, dtype=dtype)
-                    c = torch.randn(cfg.H_kv, prompt_len, device=dev) if attn in ("nosa", "dma") else None
-                    cache.prefill(layer, seq, k, v, c)
-            tok = torch.randint(0, cfg.vocab_size, (Bz,), device=dev)
-            for i in range(warmup + steps):
-                if i == warmup:
-                    if dev == "cuda":
-                        torch.cuda.synchronize()
-                        torch.cuda.reset_peak_memory_stats()
-                    t0 = time.perf_counter()
-                    moved0 = cache.stats.moved.sum().item() if use_offload else 0
-                tok = model.decode(tok, cache).argmax(-1)
-            if dev == "cuda":
-                torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-        row = dict(system=system, batch=Bz, tokens_s=round(Bz * steps / dt, 1), step_ms=round(dt / steps * 1e3, 2),
-                   gpu_mem_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev == "cuda" else None)
-        if use_offload:
-            moved = cache.stats.moved.sum().item() - moved0
-            row.update(hit_rate=round(1 - cache.stats.moved.sum().item() / max(cache.stats.needed.sum().item(), 1), 3),
-                       mb_per_step=round(moved * cache.stats.unit_bytes / steps / 1e6, 2))
+        free = budget_gb * 2**30 - weights - (2 * 2**30 if cuda else 0)
+        Bz = min(batch_limit, offload.max_batch(cfg, max_len, dtype, free, host_budget if use_offload else None,
+                                                offload=use_offload))
+        row = dict(system=system, batch=Bz)
         rows.append(row)
+        if Bz == 0:
+            continue
+        cache = (offload.OffloadCache(cfg, Bz, dev, dtype, max_len=max_len, host_budget=host_budget) if use_offload
+                 else M.KVCache(cfg, Bz, dev, dtype, max_len))
+        with torch.no_grad():
+            if ckpts:
+                for seq, p in enumerate(real_prompts(tok, Bz, prompt_len)):
+                    model(torch.tensor([p], device=dev), cache, seq=seq)
+            else:
+                for seq in range(Bz):
+                    for layer in range(cfg.n_layer):
+                        k, v = torch.randn(2, cfg.H_kv, prompt_len, cfg.head_dim, device=dev, dtype=dtype)
+                        c = torch.randn(cfg.H_kv, prompt_len, device=dev) if attn == "nosa" else None
+                        cache.prefill(layer, seq, k, v, c)
+            tok_ = torch.randint(0, cfg.vocab_size, (Bz,), device=dev)
+            step = lambda t: model.decode(t, cache).argmax(-1)
+            tok_ = step(tok_)  # the first step after prefill gathers whole selections: not steady state
+
+            def timed(fn, n):
+                nonlocal tok_
+                if cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    tok_ = fn(tok_)
+                if cuda:
+                    torch.cuda.synchronize()
+                return (time.perf_counter() - t0) / n
+
+            eager_s = timed(step, eager_steps)  # before: every kernel launched from Python
+            M.TIMELINE = Timeline(cuda)
+            if use_offload:  # gather kernel time and bytes over the split steps
+                cache.stats.transfer_s, cache.stats._events, moved0 = 0.0, [], cache.stats.moved.sum().item()
+
+            def marked(t):
+                M.phase("weights")
+                t = step(t)
+                M.phase("end")
+                return t
+
+            timed(marked, eager_steps)
+            split = M.TIMELINE.split_ms()
+            M.TIMELINE = None
+            if use_offload:
+                cache.stats.summary()  # folds the gather events into transfer_s
+                moved = (cache.stats.moved.sum().item() - moved0) * cache.stats.unit_bytes / eager_steps
+                gather_ms = cache.stats.transfer_s / eager_steps * 1e3
+            graphed = M.GraphedDecode(model, cache)
+            gstep = lambda t: graphed(t).argmax(-1)
+            timed(gstep, warmup)  # warm-up, capture
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            needed0, moved0 = ((cache.stats.needed.sum().item(), cache.stats.moved.sum().item()) if use_offload
+                               else (0, 0))
+            graph_s = timed(gstep, steps)  # after: one graph replay per step
+        row.update(tokens_s=round(Bz / graph_s, 1), step_ms=round(graph_s * 1e3, 2), eager_step_ms=round(eager_s * 1e3, 2),
+                   graphed=graphed.graph is not None,
+                   **{f"{p}_ms": round(split[p] / eager_steps, 2) for p in PHASES},
+                   gpu_mem_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None)
+        if use_offload:
+            needed = cache.stats.needed.sum().item() - needed0
+            row.update(hit_rate=round(1 - (cache.stats.moved.sum().item() - moved0) / max(needed, 1), 3),
+                       mb_per_step=round(moved / 1e6, 2), gather_ms=round(gather_ms, 3),
+                       pcie_gb_s=round(moved / gather_ms / 1e6, 1) if gather_ms > 0 else None)
+            if cuda:
+                row["gather_over_bound"] = round(gather_ms / (moved / pcie / 1e6), 2)  # bound: bytes / contiguous GB/s
+        if cuda and attn == "full":  # no full-attention step can beat reading the weights and the context once
+            kv = Bz * prompt_len * cfg.n_layer * cfg.H_kv * 2 * cfg.head_dim * torch.finfo(dtype).bits // 8
+            row["hbm_roofline_tokens_s"] = round(Bz / ((weights + kv) / hbm / 1e9), 1)
+        if cuda:
+            row.update(hbm_gb_s=round(hbm, 1), pcie_contiguous_gb_s=round(pcie, 1))
         print(row, flush=True)
-        del cache, model
+        del cache, model, graphed
+        if cuda:
+            torch.cuda.empty_cache()
+            getattr(torch._C, "_host_emptyCache", lambda: None)()  # hand the pinned store back before the next one
     return rows
 
 
-def main(what, json_path=None, ckpts="checkpoints", **throughput):
+def main(what, json_path=None, ckpts="checkpoints", trained=False, **throughput):
     if what == "quality":
         rows = bench_quality(ckpts)
     elif what == "throughput":
-        rows = bench_throughput(**throughput)
+        rows = bench_throughput(**throughput, ckpts=ckpts if trained else None)
     else:
         if not torch.cuda.is_available():
             raise SystemExit("bench.py measures the GPU machine: no CUDA device here")
@@ -342,6 +443,9 @@ if __name__ == "__main__":
     p.add_argument("--prompt-len", type=int, default=4096, help="throughput: context before decoding")
     p.add_argument("--budget-gb", type=float, default=24.0, help="throughput: GPU memory budget")
     p.add_argument("--steps", type=int, default=256, help="throughput: timed decode steps")
+    p.add_argument("--host-gb", type=float, help="throughput: host memory budget (default: what is available)")
+    p.add_argument("--trained", action="store_true", help="throughput: the trained models in --ckpts, real prompts")
     a = p.parse_args()
-    kw = dict(shape=a.shape, prompt_len=a.prompt_len, budget_gb=a.budget_gb, steps=a.steps) if a.what == "throughput" else {}
+    kw = dict(shape=a.shape, prompt_len=a.prompt_len, budget_gb=a.budget_gb, steps=a.steps, host_gb=a.host_gb,
+              trained=a.trained) if a.what == "throughput" else {}
     main(a.what, a.json, a.ckpts, **kw)

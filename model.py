@@ -21,6 +21,14 @@ import eviction
 import nosa
 import pooling
 
+TIMELINE = None  # bench.py puts a recorder here to split a decode step by phase; None costs nothing
+
+
+def phase(name):
+    """From here on the decode step is in phase `name`: weights, selection, transfer or attention."""
+    if TIMELINE is not None:
+        TIMELINE.mark(name)
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
@@ -84,13 +92,15 @@ class Attention(nn.Module):
         cache.append(layer, k[:, :, 0], v[:, :, 0], None if c is None else c[:, :, 0])
         block_mask = None
         if cfg.attn != "full":
+            phase("selection")
             # score and select exactly as the parallel forward does, from the pooled caches
-            nb = pooling.n_blocks(int(cache.len_cpu.max()) + 1, cfg)  # host-side mirror: no device sync
+            nb = cache.n_blocks()  # known on the host: no device sync
             K_sub, c_sub = cache.sub[layer]
             Q = pooling.query_aware_scores(q, K_sub, pos[:, None], nb, cfg)  # (Bz, H_kv, 1, nb)
             E = Q.new_zeros(Bz, cfg.H_kv, nb) if c is None else eviction.eviction_block_scores(c_sub, nb, cfg)
             block_mask = nosa.select_blocks(Q, E, pos[:, None, None], cfg)  # (Bz, H_kv, 1, nb)
         o = cache.attend(layer, q, block_mask)  # (Bz, H_q, 1, d)
+        phase("weights")
         return self.o_proj(o.transpose(1, 2).reshape(Bz, 1, -1))
 
 
@@ -149,6 +159,7 @@ class Transformer(nn.Module):
 
     def decode(self, tok, cache):
         """One step: tok (Bz,) the next token of every sequence -> logits (Bz, vocab)."""
+        phase("weights")
         x = self.embed_tokens(tok[:, None])  # (Bz, 1, dim)
         for i, layer in enumerate(self.layers):
             x = layer(x, i, cache, decode=True)
@@ -169,16 +180,48 @@ class Transformer(nn.Module):
         if min(len(p) for p in prompts) == 0:
             raise ValueError("empty prompt: give at least one token per sequence")
         dev = self.embed_tokens.weight.device
-        cache = cache or KVCache(self.cfg, len(prompts), dev, self.embed_tokens.weight.dtype)
+        max_len = max(len(p) for p in prompts) + max_new_tokens
+        cache = cache or KVCache(self.cfg, len(prompts), dev, self.embed_tokens.weight.dtype, max_len)
         tok = torch.empty(len(prompts), dtype=torch.long, device=dev)
         for i, p in enumerate(prompts):  # prefill one sequence at a time: lengths may differ
             logits = self(torch.tensor([p], device=dev), cache, seq=i)
             tok[i] = sample(logits[:, -1], temperature, top_k)[0]
         out = [tok.clone()]
+        decode = GraphedDecode(self, cache)
         for _ in range(max_new_tokens - 1):
-            tok = sample(self.decode(tok, cache), temperature, top_k)
+            tok = sample(decode(tok), temperature, top_k)
             out.append(tok)
         return torch.stack(out, 1).tolist()
+
+
+class GraphedDecode:
+    """Transformer.decode, captured once as a CUDA graph and replayed every step: the thousands of
+    small launches of a step (per layer: projections, scoring, selection, set difference, gather,
+    attention) become one, so a step costs what its kernels cost. This is correct because nothing
+    in a step asks the host: positions, lengths, tables and transfers live on the device, and shapes
+    do not change while every position is below cache.capacity(). Elsewhere (CPU, dense attention,
+    a short context, past the capacity) it runs the eager step, which computes the same logits."""
+
+    def __init__(self, model, cache):
+        self.model, self.cache = model, cache
+        self.graph, self.warm = None, False
+
+    def __call__(self, tok):
+        cache, pos = self.cache, int(self.cache.len_cpu.max())
+        if not (tok.is_cuda and self.model.cfg.l_c <= pos + 1 and pos < cache.capacity()):
+            return self.model.decode(tok, cache)
+        if self.graph is None:
+            if not self.warm:  # one eager step first: compiles and initialises what the graph will launch
+                self.warm = True
+                return self.model.decode(tok, cache)
+            self.tok, self.graph = tok.clone(), torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):  # records, runs nothing; cache.advance's host part runs once
+                self.logits = self.model.decode(self.tok, cache)
+        else:
+            self.tok.copy_(tok)
+            cache.advance_host()
+        self.graph.replay()
+        return self.logits
 
 
 def sample(logits, temperature=0.0, top_k=None):
@@ -209,14 +252,15 @@ class SubBlockCache:
     """Per layer: the pooled caches K̃ (Bz, H_kv, M, d) and c̃ (Bz, H_kv, M), kept up to date
     one token at a time from a ring of the last l_c keys and scores. Both caches use it."""
 
-    def __init__(self, cfg, Bz, device, dtype):
+    def __init__(self, cfg, Bz, device, dtype, max_len=0):
         self.cfg = cfg
         L, H, d, l_c = cfg.n_layer, cfg.H_kv, cfg.head_dim, cfg.l_c
+        M = pooling.n_subblocks(max_len, cfg)  # preallocated for max_len tokens; grows past it
         self.ring_k = [torch.zeros(Bz, H, l_c, d, device=device, dtype=dtype) for _ in range(L)]
         cdt = torch.promote_types(dtype, torch.float32)  # c and its pools stay in fp32 (or fp64)
         self.ring_c = [torch.zeros(Bz, H, l_c, device=device, dtype=cdt) for _ in range(L)]
-        self.K_sub = [torch.zeros(Bz, H, 0, d, device=device, dtype=dtype) for _ in range(L)]
-        self.c_sub = [torch.zeros(Bz, H, 0, device=device, dtype=cdt) for _ in range(L)]
+        self.K_sub = [torch.zeros(Bz, H, M, d, device=device, dtype=dtype) for _ in range(L)]
+        self.c_sub = [torch.zeros(Bz, H, M, device=device, dtype=cdt) for _ in range(L)]
 
     def __getitem__(self, layer):
         return self.K_sub[layer], self.c_sub[layer]
@@ -259,17 +303,20 @@ class SubBlockCache:
 
 
 class KVCache:
-    """The whole cache on one device: K, V (Bz, H_kv, S, d), c (Bz, H_kv, S) per layer, lengths (Bz,)."""
+    """The whole cache on one device: K, V (Bz, H_kv, S, d), c (Bz, H_kv, S) per layer, lengths (Bz,).
+    With max_len, the buffers are allocated once for max_len tokens and sparse modes attend over
+    all of them (static shapes, so a decode step can be a CUDA graph: GraphedDecode); without,
+    they grow with the sequences."""
 
-    def __init__(self, cfg, Bz, device, dtype):
-        self.cfg = cfg
-        L, H, d = cfg.n_layer, cfg.H_kv, cfg.head_dim
+    def __init__(self, cfg, Bz, device, dtype, max_len=None):
+        self.cfg, self.max_len = cfg, max_len
+        L, H, d, S = cfg.n_layer, cfg.H_kv, cfg.head_dim, max_len or 0
         self.len = torch.zeros(Bz, dtype=torch.long, device=device)  # tokens per sequence
         self.len_cpu = torch.zeros(Bz, dtype=torch.long)  # the same, on the host
-        self.k = [torch.zeros(Bz, H, 0, d, device=device, dtype=dtype) for _ in range(L)]
-        self.v = [torch.zeros(Bz, H, 0, d, device=device, dtype=dtype) for _ in range(L)]
-        self.c = [torch.zeros(Bz, H, 0, device=device, dtype=torch.promote_types(dtype, torch.float32)) for _ in range(L)]
-        self.sub = SubBlockCache(cfg, Bz, device, dtype)
+        self.k = [torch.zeros(Bz, H, S, d, device=device, dtype=dtype) for _ in range(L)]
+        self.v = [torch.zeros(Bz, H, S, d, device=device, dtype=dtype) for _ in range(L)]
+        self.c = [torch.zeros(Bz, H, S, device=device, dtype=torch.promote_types(dtype, torch.float32)) for _ in range(L)]
+        self.sub = SubBlockCache(cfg, Bz, device, dtype, S)
 
     def prefill(self, layer, seq, k, v, c):
         T = k.shape[1]
@@ -283,7 +330,20 @@ class KVCache:
 
     def advance(self):
         self.len += 1
+        self.advance_host()
+
+    def advance_host(self):  # the host-side part of advance, which a CUDA graph replay does not run
         self.len_cpu += 1
+
+    def capacity(self):
+        """Positions below which a decode step keeps its shapes (GraphedDecode); 0: they change every step."""
+        return self.max_len if self.max_len and self.cfg.attn != "full" else 0
+
+    def S(self):  # tokens attention spans: all preallocated ones in sparse modes, else exactly the context
+        return max(self.capacity(), int(self.len_cpu.max()) + 1)
+
+    def n_blocks(self):  # the blocks selection ranges over
+        return pooling.n_blocks(self.S(), self.cfg)
 
     def append(self, layer, k, v, c):
         pos, rows = self.len, torch.arange(k.shape[0], device=k.device)
@@ -296,7 +356,8 @@ class KVCache:
 
     def attend(self, layer, q, block_mask):
         """q (Bz, H_q, 1, d) at positions self.len -> (Bz, H_q, 1, d) over the cached tokens."""
-        S = int(self.len_cpu.max()) + 1
+        phase("attention")
+        S = self.S()
         c = self.c[layer][:, :, :S] if self.cfg.attn in ("nosa", "dma") else None
         bias = None if c is None else eviction.attention_bias(c, self.cfg.attn)
         return attention.sparse_attention(q, self.k[layer][:, :, :S], self.v[layer][:, :, :S], bias, block_mask,

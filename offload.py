@@ -34,7 +34,7 @@ import torch
 
 import attention
 import eviction
-from model import SubBlockCache, grow
+from model import SubBlockCache, grow, phase
 
 
 # -----------------------------------------------------------------------------
@@ -63,6 +63,23 @@ def set_difference_torch(need, slot_block, block_slot, fetch):
     fetch[r, slot[r, i]] = need[r, i]
     slot_block[r, slot[r, i]] = need[r, i]
     block_slot[r, need[r, i]] = slot[r, i]
+
+
+def flush_tails_torch(host, pool, slot_block, block_slot, pos, H_kv, B):
+    """Twin of uva_copy.cu:flush_tails. pos (Bz,) the position just written; a row whose tail block
+    (pool slot k) is now full writes it to host[r, pos // B] and copies it into its first free slot."""
+    k = slot_block.shape[1]
+    p = pos.repeat_interleave(H_kv)  # (R,)
+    r = torch.nonzero(p % B == B - 1)[:, 0]  # a device sync: the kernel needs none
+    if r.numel() == 0:
+        return
+    b = p[r] // B
+    tail = pool[r, k]
+    host[r.to(host.device), b.to(host.device)] = tail.to(host.device)
+    free = torch.argmax((slot_block[r] < 0).to(torch.uint8), 1)  # first free slot: there is one
+    pool[r, free] = tail
+    slot_block[r, free] = b
+    block_slot[r, b] = free
 
 
 def gather_units_torch(host, pool, fetch):
@@ -105,6 +122,14 @@ def gather_units(host, pool, fetch):
         ext.gather_units(host, pool, fetch)
     else:
         gather_units_torch(host, pool, fetch)
+
+
+def flush_tails(host, pool, slot_block, block_slot, pos, H_kv, B):
+    ext = _kernels(pool.device)
+    if ext and host.is_pinned():
+        ext.flush_tails(host, pool, slot_block, block_slot, pos, H_kv, B)
+    else:
+        flush_tails_torch(host, pool, slot_block, block_slot, pos, H_kv, B)
 
 
 # -----------------------------------------------------------------------------
@@ -182,7 +207,7 @@ class OffloadCache:
         self.cfg, self.device, self.Bz = cfg, torch.device(device), Bz
         L, H, B, d, k = cfg.n_layer, cfg.H_kv, cfg.B, cfg.head_dim, cfg.k
         R, elt = Bz * H, torch.empty((), dtype=dtype).element_size()
-        max_len = max_len or cfg.max_seq_len
+        self.max_len = max_len = max_len or cfg.max_seq_len
         cap = math.ceil(max_len / B)
         unit = 2 * B * d * elt
         need_gpu, need_host = cache_bytes(cfg, Bz, max_len, dtype)  # both budgets, before allocating anything
@@ -207,7 +232,7 @@ class OffloadCache:
         self.fetch = [torch.full((R, k), -1, dtype=torch.long, device=device) for _ in range(L)]
         cdt = torch.promote_types(dtype, torch.float32)
         self.c = [torch.zeros(Bz, H, max_len, dtype=cdt, device=device) for _ in range(L)]
-        self.sub = SubBlockCache(cfg, Bz, device, dtype)
+        self.sub = SubBlockCache(cfg, Bz, device, dtype, max_len)
         self.stats = Stats(L, unit, device)
 
     def _host_alloc(self, R, cap, dtype):
@@ -220,7 +245,7 @@ class OffloadCache:
         R, cap = old.shape[:2]
         if cap >= n:
             return
-        if self.pin:  # write-backs into the old store may still be in flight (_flush_full_tails)
+        if self.pin:  # write-backs into the old store may still be in flight (flush_tails)
             torch.cuda.current_stream(self.device).synchronize()
         self.host[layer] = self._host_alloc(R, max(n, 2 * cap), old.dtype)
         self.host[layer][:, :cap] = old
@@ -249,8 +274,17 @@ class OffloadCache:
 
     def advance(self):
         self.len += 1
+        self.advance_host()
+
+    def advance_host(self):  # the host-side part of advance, which a CUDA graph replay does not run
         self.len_cpu += 1
         self.stats.steps += 1
+
+    def capacity(self):  # positions below which a decode step keeps its shapes (model.GraphedDecode)
+        return self.max_len
+
+    def n_blocks(self):  # selection ranges over every block the store holds: static shapes
+        return self.host[0].shape[1]
 
     def append(self, layer, k, v, c):
         """k, v (Bz, H_kv, d), c (Bz, H_kv) or None: the new token of every sequence."""
@@ -268,6 +302,7 @@ class OffloadCache:
 
     def attend(self, layer, q, block_mask):
         """q (Bz, H_q, 1, d) at positions self.len; block_mask (Bz, H_kv, 1, nb) = Γ(t)."""
+        phase("transfer")
         cfg, Bz = self.cfg, self.Bz
         R, k, B = Bz * cfg.H_kv, cfg.k, cfg.B
         pos = self.len.repeat_interleave(cfg.H_kv)  # (R,)
@@ -283,13 +318,18 @@ class OffloadCache:
         self.stats.needed[layer] += need.sum()
         self.stats.moved[layer] += (self.fetch[layer] >= 0).sum()
         self._timed_gather(layer)
+        phase("attention")
         bias = eviction.attention_bias(self.c[layer], cfg.attn) if cfg.attn in ("nosa", "dma") else None
         o = attention.slot_attention(q, self.pool[layer], self.slot_block[layer], bias, self.len, B)
-        self._flush_full_tails(layer, q_blk)
+        phase("transfer")
+        flush_tails(self.host[layer], self.pool[layer], self.slot_block[layer], self.block_slot[layer], self.len,
+                    cfg.H_kv, B)
         return o
 
     def _timed_gather(self, layer):
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():  # a CUDA graph: no events
+            gather_units(self.host[layer], self.pool[layer], self.fetch[layer])
+        elif self.device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             gather_units(self.host[layer], self.pool[layer], self.fetch[layer])
@@ -299,19 +339,3 @@ class OffloadCache:
             t0 = time.perf_counter()
             gather_units(self.host[layer], self.pool[layer], self.fetch[layer])
             self.stats.transfer_s += time.perf_counter() - t0
-
-    def _flush_full_tails(self, layer, q_blk):
-        """A tail whose last token was just written goes to the host store and into a free slot."""
-        cfg = self.cfg
-        full_cpu = (self.len_cpu % cfg.B == cfg.B - 1).repeat_interleave(cfg.H_kv)  # (R,) on the host
-        if not bool(full_cpu.any()):
-            return
-        r_cpu = torch.nonzero(full_cpu)[:, 0]
-        qb_cpu = (self.len_cpu // cfg.B).repeat_interleave(cfg.H_kv)[r_cpu]
-        for r, b in zip(r_cpu.tolist(), qb_cpu.tolist()):  # into pinned memory: asynchronous, stream-ordered
-            self.host[layer][r, b].copy_(self.tail[layer][r], non_blocking=True)
-        r = r_cpu.to(self.device)
-        free = torch.argmax((self.slot_block[layer][r] < 0).to(torch.uint8), 1)  # first free slot
-        self.pool[layer][r, free] = self.tail[layer][r]
-        self.slot_block[layer][r, free] = q_blk[r]
-        self.block_slot[layer][r, q_blk[r]] = free

@@ -12,6 +12,10 @@
 //   The host store is pinned, so with unified virtual addressing a kernel reads it directly through
 //   its device pointer (cudaHostGetDevicePointer): one launch moves every missed block of a layer
 //   as 16-byte vector reads, many PCIe requests in flight, instead of one memcpy per block.
+// flush_tails: for every row whose tail block (pool slot k) has just been filled (pos % B == B - 1),
+//   write it to host[row, pos / B] through the same mapping and copy it into the first free slot,
+//   updating both tables. Rows whose tail is not full return at once, so the host never has to
+//   look at the positions: the whole decode step stays free of syncs (and can be a CUDA graph).
 #include <torch/extension.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <cuda_runtime.h>
@@ -78,6 +82,37 @@ __global__ void gather_units_kernel(const int4* __restrict__ host,    // (R, cap
   }
 }
 
+__global__ void flush_tails_kernel(int4* __restrict__ host,              // (R, cap, U16) in pinned memory
+                                   int4* __restrict__ pool,              // (R, k + 1, U16), slot k = tail
+                                   int64_t* __restrict__ slot_block,     // (R, k)
+                                   int64_t* __restrict__ block_slot,     // (R, cap)
+                                   const int64_t* __restrict__ pos,      // (Bz,) position just written
+                                   int64_t H_kv, int64_t B, int64_t k, int64_t cap, int64_t U16) {
+  int64_t row = blockIdx.x, p = pos[row / H_kv];
+  if (p % B != B - 1) return;
+  int64_t b = p / B;
+  __shared__ int64_t free_slot;
+  if (threadIdx.x == 0) {
+    int64_t s = 0;
+    while (s < k && slot_block[row * k + s] >= 0) ++s;  // there is one: at most k - 1 blocks besides the tail
+    free_slot = s;
+  }
+  __syncthreads();
+  int64_t s = free_slot;
+  const int4* tail = pool + (row * (k + 1) + k) * U16;
+  int4* dst_host = host + (row * cap + b) * U16;
+  int4* dst_slot = pool + (row * (k + 1) + s) * U16;
+  for (int64_t i = threadIdx.x; i < U16; i += THREADS) {
+    int4 x = tail[i];
+    dst_host[i] = x;
+    if (s < k) dst_slot[i] = x;
+  }
+  if (threadIdx.x == 0 && s < k) {
+    slot_block[row * k + s] = b;
+    block_slot[row * cap + b] = s;
+  }
+}
+
 #define CHECK_CUDA(call)                                                                  \
   do {                                                                                    \
     cudaError_t e = (call);                                                               \
@@ -119,7 +154,31 @@ void gather_units(torch::Tensor host, torch::Tensor pool, torch::Tensor fetch) {
   CHECK_CUDA(cudaGetLastError());
 }
 
+void flush_tails(torch::Tensor host, torch::Tensor pool, torch::Tensor slot_block, torch::Tensor block_slot,
+                 torch::Tensor pos, int64_t H_kv, int64_t B) {
+  TORCH_CHECK(!host.is_cuda() && host.is_pinned(), "uva_copy: the host store must be pinned CPU memory");
+  TORCH_CHECK(pool.is_cuda() && slot_block.is_cuda() && block_slot.is_cuda() && pos.is_cuda(), "CUDA tensors expected");
+  TORCH_CHECK(slot_block.scalar_type() == torch::kInt64 && block_slot.scalar_type() == torch::kInt64 &&
+              pos.scalar_type() == torch::kInt64, "int64 tables and positions expected");
+  TORCH_CHECK(host.is_contiguous() && pool.is_contiguous() && slot_block.is_contiguous() && block_slot.is_contiguous() &&
+              pos.is_contiguous(), "contiguous tensors expected");
+  TORCH_CHECK(host.scalar_type() == pool.scalar_type(), "host and pool dtypes differ");
+  int64_t R = host.size(0), cap = host.size(1), k = slot_block.size(1);
+  int64_t unit_bytes = host.numel() / (R * cap) * host.element_size();
+  TORCH_CHECK(unit_bytes % 16 == 0, "uva_copy: a unit must be a multiple of 16 bytes");
+  TORCH_CHECK(pool.size(0) == R && pool.size(1) == k + 1 && block_slot.size(1) == cap && pos.size(0) * H_kv == R,
+              "uva_copy: shapes disagree");
+  if (R == 0) return;
+  void* dev_ptr = nullptr;
+  CHECK_CUDA(cudaHostGetDevicePointer(&dev_ptr, host.data_ptr(), 0));
+  flush_tails_kernel<<<R, THREADS, 0, at::cuda::getCurrentCUDAStream()>>>(
+      static_cast<int4*>(dev_ptr), static_cast<int4*>(pool.data_ptr()), slot_block.data_ptr<int64_t>(),
+      block_slot.data_ptr<int64_t>(), pos.data_ptr<int64_t>(), H_kv, B, k, cap, unit_bytes / 16);
+  CHECK_CUDA(cudaGetLastError());
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_difference", &set_difference, "slot-pool set difference (in place), fetch list out");
   m.def("gather_units", &gather_units, "UVA gather of KV units from pinned host memory into the slot pool");
+  m.def("flush_tails", &flush_tails, "full tail blocks: write back to the host store, keep in a free slot");
 }

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import offload
-from model import KVCache
+from model import GraphedDecode, KVCache
 from offload import OffloadCache
 from tests.test_model import make_model
 
@@ -41,13 +41,14 @@ class CheckedCache(OffloadCache):
         return o
 
 
-def run(model, idx, prompt_lens, cache):
+def run(model, idx, prompt_lens, cache, graphed=False):
     out = [[] for _ in prompt_lens]
+    decode = GraphedDecode(model, cache) if graphed else lambda tok: model.decode(tok, cache)
     with torch.no_grad():
         for i, P in enumerate(prompt_lens):
             out[i].append(model(idx[i:i + 1, :P], cache, seq=i)[0, -1])
         for s in range(idx.shape[1] - max(prompt_lens)):
-            logits = model.decode(torch.tensor([idx[i, P + s] for i, P in enumerate(prompt_lens)], device=DEV), cache)
+            logits = decode(torch.tensor([idx[i, P + s] for i, P in enumerate(prompt_lens)], device=DEV))
             for i in range(len(prompt_lens)):
                 out[i].append(logits[i])
     return [torch.stack(o) for o in out]
@@ -65,9 +66,11 @@ def test_offloaded_decode_equals_parallel_and_resident(attn):
     # max_len far too small on purpose: the host store and tables must grow while decoding
     off = run(model, idx, prompt_lens, CheckedCache(cfg, 3, DEV, torch.float64, max_len=40))
     res = run(model, idx, prompt_lens, KVCache(cfg, 3, DEV, torch.float64))
+    static = run(model, idx, prompt_lens, KVCache(cfg, 3, DEV, torch.float64, max_len=T))  # over all T blocks
     for i, P in enumerate(prompt_lens):
         torch.testing.assert_close(off[i], ref[i, P - 1:P - 1 + off[i].shape[0]], rtol=0, atol=1e-9)
         torch.testing.assert_close(off[i], res[i], rtol=0, atol=1e-9)
+        torch.testing.assert_close(static[i], res[i], rtol=0, atol=1e-9)
 
 
 def test_offload_stats_and_locality_bound():
@@ -147,3 +150,44 @@ def test_cuda_kernels_match_twins():
         offload.gather_units(host, dev_pool, df)
         torch.cuda.synchronize()
         assert torch.equal(pool, dev_pool.cpu())
+    # flush: rows (H_kv = 2 per sequence) whose tail is full write it back and keep it in a free slot
+    tails = torch.randn(R, 1, *U, dtype=torch.bfloat16)
+    pool, dev_pool = torch.cat([pool, tails], 1), torch.cat([dev_pool, tails.cuda()], 1)
+    for b in range(R):  # make sure some rows have a free slot before the flush
+        tables[0][b, b % k] = -1
+    tables[1].fill_(-1)
+    for r in range(R):
+        for s, b in enumerate(tables[0][r].tolist()):
+            if b >= 0:
+                tables[1][r, b] = s
+    dev_tables = [t.cuda() for t in tables]
+    pos = torch.tensor([2 * 16 - 1, 5, 7 * 16 - 1])  # sequences 0 and 2 full (B = 16)
+    dev_host = host.clone().pin_memory()
+    offload.flush_tails_torch(host, pool, *tables, pos, 2, 16)
+    offload.flush_tails(dev_host, dev_pool, *dev_tables, pos.cuda(), 2, 16)
+    torch.cuda.synchronize()
+    assert torch.equal(pool, dev_pool.cpu()) and torch.equal(host, dev_host)
+    assert all(torch.equal(a, b.cpu()) for a, b in zip(tables, dev_tables))
+    assert torch.equal(host[0, 1], tails[0, 0]) and torch.equal(host[5, 6], tails[5, 0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("offloaded", [True, False])
+def test_graphed_decode_equals_eager(offloaded):
+    model = make_model("nosa", torch.float32, B=16, l_c=8, s_c=4).to(DEV)  # B >= 16: the Triton kernels
+    cfg = model.cfg
+    prompt_lens = [5, 37, 70]
+    T = max(prompt_lens) + 3 * cfg.k * cfg.B
+    idx = torch.randint(0, cfg.vocab_size, (3, T), device=DEV)
+    new = lambda: OffloadCache(cfg, 3, DEV, torch.float32, max_len=T) if offloaded else KVCache(cfg, 3, DEV,
+                                                                                               torch.float32, T)
+    eager_cache, graph_cache = new(), new()
+    eager = run(model, idx, prompt_lens, eager_cache)
+    graphed = run(model, idx, prompt_lens, graph_cache, graphed=True)
+    for a, b in zip(eager, graphed):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    assert torch.equal(eager_cache.len, graph_cache.len) and torch.equal(eager_cache.len_cpu, graph_cache.len_cpu)
+    if offloaded:
+        assert torch.equal(eager_cache.stats.moved, graph_cache.stats.moved) and eager_cache.stats.moved.sum() > 0
+        assert eager_cache.stats.steps == graph_cache.stats.steps
+        assert all(torch.equal(a, b) for a, b in zip(eager_cache.slot_block, graph_cache.slot_block))
