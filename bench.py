@@ -4,6 +4,7 @@ Benchmarks, run on the GPU machine; every figure is a ratio against a limit meas
     python bench.py gather [--json out.json]     # UVA gather vs contiguous pinned copy (PCIe roofline)
     python bench.py prefill                      # sparse attention fwd+bwd vs dense SDPA (flash), paper defaults
     python bench.py decode                       # decode kernels vs HBM bandwidth, batch 1..64
+    python bench.py sdpa                         # dense decode under each SDPA backend
     python bench.py quality --ckpts DIR          # trained tiny models: long-context quality (CPU is fine)
     python bench.py throughput --shape 8b --prompt-len 32768 --budget-gb 24   # decode at a fixed GPU budget
     python bench.py throughput --trained --ckpts DIR --prompt-len 8192        # the same, trained tiny models
@@ -209,6 +210,29 @@ def bench_decode(H_q=32, H_kv=2, d=128):
     return rows
 
 
+def bench_sdpa(Bz=12, H_kv=2, G=16, S=131073, d=128):
+    """One dense decode call (the G query heads of a KV head as G rows) under each SDPA backend:
+    why model.KVCache excludes cuDNN."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    q = torch.randn(Bz, H_kv, G, d, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(Bz, H_kv, S, d, device="cuda", dtype=torch.bfloat16)
+    rows = []
+    for name, backends in (("default", None), ("flash", [SDPBackend.FLASH_ATTENTION]),
+                           ("cudnn", [SDPBackend.CUDNN_ATTENTION]), ("efficient", [SDPBackend.EFFICIENT_ATTENTION]),
+                           ("math", [SDPBackend.MATH])):
+        def call():
+            if backends is None:
+                return F.scaled_dot_product_attention(q, kv, kv)
+            with sdpa_kernel(backends):
+                return F.scaled_dot_product_attention(q, kv, kv)
+        try:
+            t = do_bench(call, warmup=5, rep=50, return_mode="median")
+            rows.append(dict(backend=name, ms=round(t, 3), gb_s=round(2 * kv.numel() * 2 / t / 1e6)))
+        except RuntimeError as e:
+            rows.append(dict(backend=name, error=str(e).splitlines()[0][:80]))
+    return rows
+
+
 def bench_quality(ckpts, windows=16, T=1024, n_prompts=8, prompt_len=128, gen_len=1024):
     """Long-sequence quality of the tiny models trained by train.py (ckpts/{nosa,full,infllmv2,dma}):
     teacher-forced loss on held-out windows (by position: the first k·B tokens are dense for every
@@ -299,8 +323,12 @@ def real_prompts(tok, n, T):
     return [ids[s:s + T] for s in starts]
 
 
+SYSTEMS = {"full": ("full, resident cache", "full", False), "infllmv2-offload": ("infllmv2 + offload", "infllmv2", True),
+           "nosa-offload": ("nosa + offload", "nosa", True), "nosa-resident": ("nosa, resident cache", "nosa", False)}
+
+
 def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, warmup=8, batch_limit=256,
-                     host_gb=None, ckpts=None, eager_steps=8):
+                     host_gb=None, ckpts=None, eager_steps=8, systems=tuple(SYSTEMS)):
     """Steady-state decode tokens/s at a fixed GPU memory budget. Each system gets the largest batch
     whose weights + KV cache fit the budget (offload.max_batch, a 2 GiB margin for activations on a
     GPU). With random weights (the default) the cache is filled with random K, V, c through the
@@ -319,15 +347,16 @@ def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, w
     base = Config.from_preset(preset, **over, max_seq_len=max_len)
     hbm, pcie = (hbm_bandwidth(), pinned_bandwidth()) if cuda else (None, None)
     host_budget = host_gb * 2**30 if host_gb else offload.host_bytes_available()
-    rows = []
-    for system, attn, use_offload in (("full, resident cache", "full", False), ("infllmv2 + offload", "infllmv2", True),
-                                      ("nosa + offload", "nosa", True), ("nosa, resident cache", "nosa", False)):
+    rows, prompts = [], None
+    for system, attn, use_offload in (SYSTEMS[s] for s in systems):
         torch.manual_seed(0)
         if ckpts:
             import checkpoint
             model, tok = checkpoint.load(f"{ckpts}/{attn}", dev, dtype, max_seq_len=max_len)
+            prompts = prompts or real_prompts(tok, batch_limit, prompt_len)  # one tokenizer for all of them
         else:
-            model = M.Transformer(replace(base, attn=attn)).to(dev, dtype)
+            with torch.device(dev):  # initialised where it runs: an 8B model would take minutes on the host
+                model = M.Transformer(replace(base, attn=attn)).to(dtype)
         model.eval()
         cfg = model.cfg
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -342,7 +371,7 @@ def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, w
                  else M.KVCache(cfg, Bz, dev, dtype, max_len))
         with torch.no_grad():
             if ckpts:
-                for seq, p in enumerate(real_prompts(tok, Bz, prompt_len)):
+                for seq, p in enumerate(prompts[:Bz]):
                     model(torch.tensor([p], device=dev), cache, seq=seq)
             else:
                 for seq in range(Bz):
@@ -352,7 +381,8 @@ def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, w
                         cache.prefill(layer, seq, k, v, c)
             tok_ = torch.randint(0, cfg.vocab_size, (Bz,), device=dev)
             step = lambda t: model.decode(t, cache).argmax(-1)
-            tok_ = step(tok_)  # the first step after prefill gathers whole selections: not steady state
+            for _ in range(2):  # the first step after prefill gathers whole selections; first calls compile
+                tok_ = step(tok_)
 
             def timed(fn, n):
                 nonlocal tok_
@@ -424,7 +454,7 @@ def main(what, json_path=None, ckpts="checkpoints", trained=False, **throughput)
         if not torch.cuda.is_available():
             raise SystemExit("bench.py measures the GPU machine: no CUDA device here")
         print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__}")
-        rows = dict(gather=bench_gather, prefill=bench_prefill, decode=bench_decode)[what]()
+        rows = dict(gather=bench_gather, prefill=bench_prefill, decode=bench_decode, sdpa=bench_sdpa)[what]()
     if json_path:
         with open(json_path, "w") as f:
             json.dump(rows, f, indent=1)
@@ -436,7 +466,7 @@ def main(what, json_path=None, ckpts="checkpoints", trained=False, **throughput)
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description="NOSA / NOSI benchmarks (GPU)")
-    p.add_argument("what", choices=["gather", "prefill", "decode", "quality", "throughput"], help="which benchmark")
+    p.add_argument("what", choices=["gather", "prefill", "decode", "sdpa", "quality", "throughput"], help="which benchmark")
     p.add_argument("--json", help="also write the rows to this file")
     p.add_argument("--ckpts", default="checkpoints", help="quality: directory with nosa/ full/ infllmv2/ dma/")
     p.add_argument("--shape", default="tiny", choices=sorted(SHAPES), help="throughput: model shape")
@@ -445,7 +475,8 @@ if __name__ == "__main__":
     p.add_argument("--steps", type=int, default=256, help="throughput: timed decode steps")
     p.add_argument("--host-gb", type=float, help="throughput: host memory budget (default: what is available)")
     p.add_argument("--trained", action="store_true", help="throughput: the trained models in --ckpts, real prompts")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"throughput: some of {','.join(SYSTEMS)}")
     a = p.parse_args()
     kw = dict(shape=a.shape, prompt_len=a.prompt_len, budget_gb=a.budget_gb, steps=a.steps, host_gb=a.host_gb,
-              trained=a.trained) if a.what == "throughput" else {}
+              trained=a.trained, systems=a.systems.split(",")) if a.what == "throughput" else {}
     main(a.what, a.json, a.ckpts, **kw)

@@ -237,7 +237,7 @@ class OffloadCache:
 
     def _host_alloc(self, R, cap, dtype):
         cfg = self.cfg
-        return torch.zeros(R, cap, 2, cfg.B, cfg.head_dim, dtype=dtype, pin_memory=self.pin)
+        return torch.empty(R, cap, 2, cfg.B, cfg.head_dim, dtype=dtype, pin_memory=self.pin)  # read only once written
 
     def _ensure_blocks(self, layer, n):
         """Room for n blocks per row in the host store and the block table (doubling, copying)."""
