@@ -398,7 +398,7 @@ def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, w
             eager_s = timed(step, eager_steps)  # before: every kernel launched from Python
             M.TIMELINE = Timeline(cuda)
             if use_offload:  # gather kernel time and bytes over the split steps
-                cache.stats.transfer_s, cache.stats._events, moved0 = 0.0, [], cache.stats.moved.sum().item()
+                cache.stats.reset_timing()
 
             def marked(t):
                 M.phase("weights")
@@ -410,9 +410,8 @@ def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, w
             split = M.TIMELINE.split_ms()
             M.TIMELINE = None
             if use_offload:
-                cache.stats.summary()  # folds the gather events into transfer_s
-                moved = (cache.stats.moved.sum().item() - moved0) * cache.stats.unit_bytes / eager_steps
-                gather_ms = cache.stats.transfer_s / eager_steps * 1e3
+                moved = cache.stats.timed_moved.item() * cache.stats.unit_bytes / eager_steps
+                gather_ms = cache.stats.gather_seconds() / eager_steps * 1e3
             graphed = M.GraphedDecode(model, cache)
             gstep = lambda t: graphed(t).argmax(-1)
             timed(gstep, warmup)  # warm-up, capture

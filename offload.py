@@ -144,20 +144,29 @@ class Stats:
         self.needed = torch.zeros(n_layer, dtype=torch.long, device=device)  # selected non-tail blocks
         self.moved = torch.zeros(n_layer, dtype=torch.long, device=device)  # of those, gathered from host
         self.steps = 0
-        self.transfer_s = 0.0  # wall time of the gathers (CUDA events on a GPU)
-        self._events = []
+        self.reset_timing()
 
-    def summary(self):
+    def reset_timing(self):
+        """Gathers are timed outside CUDA graphs only: their time (CUDA events on a GPU) and units."""
+        self.transfer_s, self._events = 0.0, []
+        self.timed_moved = torch.zeros((), dtype=torch.long, device=self.moved.device)
+
+    def gather_seconds(self):
         for start, end in self._events:
             self.transfer_s += start.elapsed_time(end) / 1e3
         self._events = []
+        return self.transfer_s
+
+    def summary(self):
         needed, moved = self.needed.sum().item(), self.moved.sum().item()
         per_layer = (1 - self.moved / self.needed.clamp(min=1)).tolist()
         steps = max(self.steps, 1)
-        gbs = moved * self.unit_bytes / self.transfer_s / 1e9 if self.transfer_s > 0 else 0.0
+        t = self.gather_seconds()
+        gbs = self.timed_moved.item() * self.unit_bytes / t / 1e9 if t > 0 else 0.0
         return (f"hit rate: {100 * (1 - moved / max(needed, 1)):.1f}% (per layer: "
                 f"{' '.join(f'{100 * h:.1f}' for h in per_layer)}) | blocks moved per step: {moved / steps:.1f} | "
-                f"bytes moved per step: {moved * self.unit_bytes / steps / 1e6:.3f} MB | transfer: {gbs:.1f} GB/s")
+                f"bytes moved per step: {moved * self.unit_bytes / steps / 1e6:.3f} MB | gather: {gbs:.1f} GB/s "
+                f"(steps outside CUDA graphs)")
 
 
 # -----------------------------------------------------------------------------
@@ -328,8 +337,9 @@ class OffloadCache:
 
     def _timed_gather(self, layer):
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():  # a CUDA graph: no events
-            gather_units(self.host[layer], self.pool[layer], self.fetch[layer])
-        elif self.device.type == "cuda":
+            return gather_units(self.host[layer], self.pool[layer], self.fetch[layer])
+        self.stats.timed_moved += (self.fetch[layer] >= 0).sum()
+        if self.device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             gather_units(self.host[layer], self.pool[layer], self.fetch[layer])

@@ -1,0 +1,19 @@
+"""bench.py throughput on CPU (random weights, small sizes): the memory model, the locality bound
+in the measured hit rate, and the rows it reports. Speed is measured on the GPU, not here."""
+import bench
+from nosa import Config
+
+
+def test_throughput_bench_on_cpu():
+    rows = bench.bench_throughput(shape="tiny", prompt_len=512, budget_gb=0.02, steps=4, warmup=1, eager_steps=2)
+    by = {r["system"]: r for r in rows}
+    assert set(by) == {"full, resident cache", "infllmv2 + offload", "nosa + offload", "nosa, resident cache"}
+    assert by["nosa + offload"]["batch"] > by["nosa, resident cache"]["batch"] > 0  # offload fits more sequences
+    cfg = Config.from_preset("tiny")
+    # the theorem: at most k - k_e of the (at most k - 1) selected non-tail blocks are new each step
+    assert by["nosa + offload"]["hit_rate"] >= 1 - (cfg.k - cfg.k_e) / (cfg.k - 1)
+    for r in rows:
+        assert r["tokens_s"] > 0 and r["step_ms"] > 0
+        assert all(r[f"{p}_ms"] >= 0 for p in bench.PHASES) and r["weights_ms"] > 0 and r["attention_ms"] > 0
+    assert by["full, resident cache"]["selection_ms"] == by["full, resident cache"]["transfer_ms"] == 0
+    assert by["nosa + offload"]["transfer_ms"] > 0 and by["nosa + offload"]["mb_per_step"] > 0
