@@ -207,7 +207,9 @@ def host_bytes_available():
 
 class OffloadCache:
     """Drop-in for model.KVCache (prefill / append / attend / advance) with the KV cache in host
-    memory and only the selected blocks on the device."""
+    memory and only the selected blocks on the device. max_len (default cfg.max_seq_len) sizes
+    every buffer once, and selection ranges over all its blocks at every step (static shapes for
+    model.GraphedDecode): size it to the job, as generate.py does."""
 
     def __init__(self, cfg, Bz, device, dtype, max_len=None, gpu_budget=None, host_budget=None):
         if cfg.attn == "full":

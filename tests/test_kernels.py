@@ -137,7 +137,8 @@ def test_model_through_the_kernels(monkeypatch):
         par = model(idx)
         assert rel_err(par, ref) < FP32_TOL
         prompt_lens = [20, 70]
-        for cache in (OffloadCache(model.cfg, 2, DEV, torch.float32), KVCache(model.cfg, 2, DEV, torch.float32)):
+        offloaded = OffloadCache(model.cfg, 2, DEV, torch.float32, max_len=150)
+        for cache in (offloaded, KVCache(model.cfg, 2, DEV, torch.float32)):
             out = [[model(idx[i:i + 1, :P], cache, seq=i)[0, -1]] for i, P in enumerate(prompt_lens)]
             for s in range(idx.shape[1] - max(prompt_lens)):
                 logits = model.decode(torch.stack([idx[i, P + s] for i, P in enumerate(prompt_lens)]), cache)
