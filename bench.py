@@ -323,7 +323,8 @@ def real_prompts(tok, n, T):
     return [ids[s:s + T] for s in starts]
 
 
-SYSTEMS = {"full": ("full, resident cache", "full", False), "infllmv2-offload": ("infllmv2 + offload", "infllmv2", True),
+SYSTEMS = {"full": ("full, resident cache", "full", False),
+           "infllmv2-offload": ("infllmv2 + offload", "infllmv2", True),
            "nosa-offload": ("nosa + offload", "nosa", True), "nosa-resident": ("nosa, resident cache", "nosa", False)}
 
 
@@ -420,7 +421,8 @@ def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, w
             needed0, moved0 = ((cache.stats.needed.sum().item(), cache.stats.moved.sum().item()) if use_offload
                                else (0, 0))
             graph_s = timed(gstep, steps)  # after: one graph replay per step
-        row.update(tokens_s=round(Bz / graph_s, 1), step_ms=round(graph_s * 1e3, 2), eager_step_ms=round(eager_s * 1e3, 2),
+        row.update(tokens_s=round(Bz / graph_s, 1), step_ms=round(graph_s * 1e3, 2),
+                   eager_step_ms=round(eager_s * 1e3, 2),
                    graphed=graphed.graph is not None,
                    **{f"{p}_ms": round(split[p] / eager_steps, 2) for p in PHASES},
                    gpu_mem_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None)
@@ -465,7 +467,8 @@ def main(what, json_path=None, ckpts="checkpoints", trained=False, **throughput)
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description="NOSA / NOSI benchmarks (GPU)")
-    p.add_argument("what", choices=["gather", "prefill", "decode", "sdpa", "quality", "throughput"], help="which benchmark")
+    p.add_argument("what", choices=["gather", "prefill", "decode", "sdpa", "quality", "throughput"],
+                   help="which benchmark")
     p.add_argument("--json", help="also write the rows to this file")
     p.add_argument("--ckpts", default="checkpoints", help="quality: directory with nosa/ full/ infllmv2/ dma/")
     p.add_argument("--shape", default="tiny", choices=sorted(SHAPES), help="throughput: model shape")

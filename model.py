@@ -316,7 +316,8 @@ class KVCache:
         self.len_cpu = torch.zeros(Bz, dtype=torch.long)  # the same, on the host
         self.k = [torch.zeros(Bz, H, S, d, device=device, dtype=dtype) for _ in range(L)]
         self.v = [torch.zeros(Bz, H, S, d, device=device, dtype=dtype) for _ in range(L)]
-        self.c = [torch.zeros(Bz, H, S, device=device, dtype=torch.promote_types(dtype, torch.float32)) for _ in range(L)]
+        cdt = torch.promote_types(dtype, torch.float32)
+        self.c = [torch.zeros(Bz, H, S, device=device, dtype=cdt) for _ in range(L)]
         self.sub = SubBlockCache(cfg, Bz, device, dtype, S)
 
     def prefill(self, layer, seq, k, v, c):
