@@ -125,7 +125,7 @@ def test_model_through_the_kernels(monkeypatch):
     from model import KVCache
     from offload import OffloadCache
     import pooling
-    from tests.test_model import make_model
+    from tests.test_model import decode_logits, make_model
     kw = dict(n_layer=1, dim=64, H_q=4, H_kv=2, head_dim=16, hidden_dim=96, vocab_size=97, B=16, l_c=8, s_c=4,
               n_sink=1, n_win=1, k=4, k_q=1)  # k·B = 64 tokens
     model = make_model("nosa", torch.float32, **kw).to(DEV)
@@ -139,30 +139,16 @@ def test_model_through_the_kernels(monkeypatch):
         prompt_lens = [20, 70]
         offloaded = OffloadCache(model.cfg, 2, DEV, torch.float32, max_len=150)
         for cache in (offloaded, KVCache(model.cfg, 2, DEV, torch.float32)):
-            out = [[model(idx[i:i + 1, :P], cache, seq=i)[0, -1]] for i, P in enumerate(prompt_lens)]
-            for s in range(idx.shape[1] - max(prompt_lens)):
-                logits = model.decode(torch.stack([idx[i, P + s] for i, P in enumerate(prompt_lens)]), cache)
-                for i in range(2):
-                    out[i].append(logits[i])
-            for i, P in enumerate(prompt_lens):
-                got = torch.stack(out[i])
+            for i, (P, got) in enumerate(zip(prompt_lens, decode_logits(model, idx, prompt_lens, cache))):
                 assert rel_err(got, par[i, P - 1:P - 1 + got.shape[0]]) < FP32_TOL
 
 
 @pytest.mark.parametrize("prompt_lens", [[20, 70], [45, 45]])  # ragged (a mask) and equal (flash, no mask)
 def test_full_attention_decode_bf16(prompt_lens):
-    from model import KVCache
-    from tests.test_model import make_model
+    from tests.test_model import decode_logits, make_model
     model = make_model("full", torch.bfloat16, n_layer=2, dim=128, H_q=8, H_kv=2, head_dim=64, B=16).to(DEV)  # SDPA
     idx = torch.randint(0, 97, (2, 150), device=DEV)
     with torch.no_grad():
         par = model(idx)
-        cache = KVCache(model.cfg, 2, DEV, torch.bfloat16)
-        out = [[model(idx[i:i + 1, :P], cache, seq=i)[0, -1]] for i, P in enumerate(prompt_lens)]
-        for s in range(idx.shape[1] - max(prompt_lens)):
-            logits = model.decode(torch.stack([idx[i, P + s] for i, P in enumerate(prompt_lens)]), cache)
-            for i in range(2):
-                out[i].append(logits[i])
-    for i, P in enumerate(prompt_lens):
-        got = torch.stack(out[i])
+    for i, (P, got) in enumerate(zip(prompt_lens, decode_logits(model, idx, prompt_lens))):
         assert rel_err(got, par[i, P - 1:P - 1 + got.shape[0]]) < 2e-2

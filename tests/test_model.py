@@ -5,7 +5,7 @@ import torch
 import attention
 import eviction
 import nosa
-from model import KVCache, Transformer, sample
+from model import GraphedDecode, KVCache, Transformer, sample
 from nosa import Config
 
 # k*B = 64 tokens: sequences of 300+ tokens cross many block boundaries with sparsity active
@@ -22,17 +22,20 @@ def make_model(attn, dtype, **kw):
     return model
 
 
-def decode_logits(model, idx, prompt_lens):
-    """Prefill each sequence's prompt, then decode the rest of idx one token per step; returns the
-    logits at every position from the last prompt token on, per sequence."""
-    cache = KVCache(model.cfg, len(prompt_lens), "cpu", model.embed_tokens.weight.dtype)
+def decode_logits(model, idx, prompt_lens, cache=None, graphed=False):
+    """Prefill each sequence's prompt, then decode the rest of idx one token per step (through
+    GraphedDecode if graphed); returns the logits at every position from the last prompt token on,
+    per sequence. The cache defaults to a growing KVCache on idx's device."""
+    cache = cache or KVCache(model.cfg, len(prompt_lens), idx.device, model.embed_tokens.weight.dtype)
+    decode = GraphedDecode(model, cache) if graphed else lambda tok: model.decode(tok, cache)
     out = [[] for _ in prompt_lens]
-    for i, P in enumerate(prompt_lens):
-        out[i].append(model(idx[i:i + 1, :P], cache, seq=i)[0, -1])
-    for s in range(idx.shape[1] - max(prompt_lens)):
-        logits = model.decode(torch.tensor([idx[i, P + s] for i, P in enumerate(prompt_lens)]), cache)
-        for i in range(len(prompt_lens)):
-            out[i].append(logits[i])
+    with torch.no_grad():
+        for i, P in enumerate(prompt_lens):
+            out[i].append(model(idx[i:i + 1, :P], cache, seq=i)[0, -1])
+        for s in range(idx.shape[1] - max(prompt_lens)):
+            logits = decode(torch.stack([idx[i, P + s] for i, P in enumerate(prompt_lens)]))
+            for i in range(len(prompt_lens)):
+                out[i].append(logits[i])
     return [torch.stack(o) for o in out]
 
 

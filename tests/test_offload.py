@@ -5,9 +5,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import offload
-from model import GraphedDecode, KVCache
+from model import KVCache
 from offload import OffloadCache
-from tests.test_model import make_model
+from tests.test_model import decode_logits, make_model
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -41,19 +41,6 @@ class CheckedCache(OffloadCache):
         return o
 
 
-def run(model, idx, prompt_lens, cache, graphed=False):
-    out = [[] for _ in prompt_lens]
-    decode = GraphedDecode(model, cache) if graphed else lambda tok: model.decode(tok, cache)
-    with torch.no_grad():
-        for i, P in enumerate(prompt_lens):
-            out[i].append(model(idx[i:i + 1, :P], cache, seq=i)[0, -1])
-        for s in range(idx.shape[1] - max(prompt_lens)):
-            logits = decode(torch.tensor([idx[i, P + s] for i, P in enumerate(prompt_lens)], device=DEV))
-            for i in range(len(prompt_lens)):
-                out[i].append(logits[i])
-    return [torch.stack(o) for o in out]
-
-
 @pytest.mark.parametrize("attn", ["nosa", "infllmv2", "dma"])
 def test_offloaded_decode_equals_parallel_and_resident(attn):
     model = make_model(attn, torch.float64).to(DEV)
@@ -64,9 +51,9 @@ def test_offloaded_decode_equals_parallel_and_resident(attn):
     with torch.no_grad():
         ref = model(idx)
     # max_len far too small on purpose: the host store and tables must grow while decoding
-    off = run(model, idx, prompt_lens, CheckedCache(cfg, 3, DEV, torch.float64, max_len=40))
-    res = run(model, idx, prompt_lens, KVCache(cfg, 3, DEV, torch.float64))
-    static = run(model, idx, prompt_lens, KVCache(cfg, 3, DEV, torch.float64, max_len=T))  # over all T blocks
+    off = decode_logits(model, idx, prompt_lens, CheckedCache(cfg, 3, DEV, torch.float64, max_len=40))
+    res = decode_logits(model, idx, prompt_lens, KVCache(cfg, 3, DEV, torch.float64))
+    static = decode_logits(model, idx, prompt_lens, KVCache(cfg, 3, DEV, torch.float64, max_len=T))  # over all T blocks
     for i, P in enumerate(prompt_lens):
         torch.testing.assert_close(off[i], ref[i, P - 1:P - 1 + off[i].shape[0]], rtol=0, atol=1e-9)
         torch.testing.assert_close(off[i], res[i], rtol=0, atol=1e-9)
@@ -182,8 +169,8 @@ def test_graphed_decode_equals_eager(offloaded):
     new = lambda: OffloadCache(cfg, 3, DEV, torch.float32, max_len=T) if offloaded else KVCache(cfg, 3, DEV,
                                                                                                torch.float32, T)
     eager_cache, graph_cache = new(), new()
-    eager = run(model, idx, prompt_lens, eager_cache)
-    graphed = run(model, idx, prompt_lens, graph_cache, graphed=True)
+    eager = decode_logits(model, idx, prompt_lens, eager_cache)
+    graphed = decode_logits(model, idx, prompt_lens, graph_cache, graphed=True)
     for a, b in zip(eager, graphed):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
     assert torch.equal(eager_cache.len, graph_cache.len) and torch.equal(eager_cache.len_cpu, graph_cache.len_cpu)
