@@ -431,9 +431,9 @@ def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, w
                    gpu_mem_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None)
         if use_offload:
             needed = cache.stats.needed.sum().item() - needed0
-            # guaranteed: of the <= k - 1 selected non-tail blocks, those of the last step's core (k_e - 1
-            # besides the tail; the locality theorem) or, for infllmv2, the forced window and sinks
-            resident = (cfg.k_e if attn == "nosa" else cfg.n_forced) - 1
+            # guaranteed resident, of the k - 1 selected non-tail blocks: nosa's k_e query-agnostic blocks
+            # (the locality theorem), infllmv2's sinks and window
+            resident = cfg.k_e if attn == "nosa" else cfg.n_sink + cfg.n_win
             row.update(hit_rate=round(1 - (cache.stats.moved.sum().item() - moved0) / max(needed, 1), 3),
                        hit_rate_bound=round(resident / (cfg.k - 1), 3),
                        mb_per_step=round(moved / 1e6, 2), gather_ms=round(gather_ms, 3),

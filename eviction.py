@@ -6,7 +6,8 @@ Notation:
   c_j     eviction score of token j (one per KV head) = A ⊙ softplus(W_δ · concat_h v_j^h)
   E[b]    query-agnostic block score = stage-2 max of the stage-1 sub-block means of c
   F       forced blocks (sinks + window);  C  candidate blocks (causal, not forced)
-  core    the top (k_e - |F|) candidates by E: the part of the selection that obeys the policy
+  core    the top n_core = k_e - n_sink - n_win candidates by E: the part of the selection that
+          obeys the policy
 
 c depends on token j alone, so it is computed once, when the token is written, and never again.
 It plays two roles: an additive logit bias (ED-DMA: logit = q·k/√d + c_j; DMA: + exp(c_j)), which

@@ -95,11 +95,8 @@ class Attention(nn.Module):
         if cfg.attn != "full":
             phase("selection")
             # score and select exactly as the parallel forward does, from the pooled caches
-            nb = cache.n_blocks()  # known on the host: no device sync
             K_sub, c_sub = cache.sub[layer]
-            Q = pooling.query_aware_scores(q, K_sub, pos[:, None], nb, cfg)  # (Bz, H_kv, 1, nb)
-            E = Q.new_zeros(Bz, cfg.H_kv, nb) if c is None else eviction.eviction_block_scores(c_sub, nb, cfg)
-            block_mask = nosa.select_blocks(Q, E, pos[:, None, None], cfg)  # (Bz, H_kv, 1, nb)
+            block_mask = nosa.select(q, K_sub, None if c is None else c_sub, pos[:, None], cache.n_blocks(), cfg)
         o = cache.attend(layer, q, block_mask)  # (Bz, H_q, 1, d)
         phase("weights")
         return self.o_proj(o.transpose(1, 2).reshape(Bz, 1, -1))

@@ -7,22 +7,32 @@ Notation (METHOD.md §2):
   n_sink      attention-sink blocks at the start, always selected
   n_win       sliding-window blocks before the query's own block, always selected
   F(t)        forced blocks: sinks + window + the query's own block q_t = t // B;  |F| <= n_sink + n_win + 1
-  k           blocks selected per (query token, KV head);  k_q query-aware budget;  k_e = k - k_q
+  k           blocks selected per (query token, KV head);  k_q query-aware budget (own block included);
+              k_e = k - k_q query-agnostic budget (sinks and window included)
   Q[t, b]     query-aware block score (pooling.py);  E[b] query-agnostic eviction score (eviction.py)
-  Γ_q(t)      F(t) + the k_q best other causal blocks by Q
+  Γ_q(t)      F(t) + the k_q - 1 best other causal blocks by Q
   Γ(t)        Γ_q(t) + the best remaining causal blocks by E, up to k in all
   H_q, H_kv   query and KV heads, G = H_q / H_kv query heads share one KV head and one selection
 
-Reading of METHOD.md §3.4 followed here: k_q counts *free* query-aware picks beyond F(t) (not the
-authors' "top n_sink + n_win + k_q with F forced", which leaves one fewer free pick).
+How the budget splits (the authors' reading of METHOD.md §3.4, which makes the theorem hold at
+every step). Once more than k blocks are causal, Γ(t) is
+  - k_q blocks chosen for this query: its own block q_t and the k_q - 1 best other candidates by Q
+    (the authors take the top n_sink + n_win + k_q blocks by Q with F(t) set to +inf: the same set);
+  - k_e = k - k_q blocks that do not depend on the query: the n_sink sinks, the n_win window blocks
+    before q_t, and the *core*, the n_core = k_e - n_sink - n_win best candidates by E
+    (eviction.py); core members that Q already picked are replaced by the next best by E.
 
-Locality (METHOD.md §4). Once more than k blocks are causal, Γ(t) always contains F(t) and the
-core (eviction.py): k_e blocks in all. Inside a block the core and F do not change, so
-|Γ(t) ∩ Γ(t-1)| >= k_e. At a block boundary the query's own block is new and cannot have been
-selected at t-1, so there the bound is k_e - 1, or k_e if the new block is counted as already
-there; and it is: it is the tail block being written, which is on the GPU anyway (offload.py).
-So at most k - k_e blocks per (sequence, layer, KV head) cross PCIe per step, whatever Q does.
-The tests check exactly this statement under adversarial scores.
+Locality (METHOD.md §4): γ(t) = |Γ(t) ∩ Γ(t-1)| / |Γ(t)| >= k_e / k at every step. The k_e
+query-agnostic blocks of Γ(t) were all selected at t-1: the sinks always are; the window blocks
+before q_t were in the window (or were the own block) at t-1; and E never changes once a block is a
+candidate, while candidates only join (a block leaves the window at a block boundary), so the core
+at t is drawn from the core at t-1 plus the block that just left the window, which was selected at
+t-1 too. Hence at most k - k_e - 1 = k_q - 1 blocks per (sequence, layer, KV head) are new at a
+step besides the query's own block, which is the tail being written and is on the GPU anyway
+(offload.py): that is the most that crosses PCIe per step, whatever Q does. The eviction policy is
+implicit here: the top-n_core by E is recomputed at every step (training and decoding alike), and
+because scores are fixed and candidates only join, a block that drops out of the core can never
+return; eviction.evict is the same rule written incrementally, and the tests check both.
 
 Attention modes (METHOD.md §6), all from the same code:
   full      all causal tokens, no bias
@@ -81,14 +91,15 @@ class Config:
         check(self.l_c - self.s_c <= self.n_win * self.B,
               f"sub-blocks reach l_c - s_c = {self.l_c - self.s_c} tokens past a block; the window "
               f"(n_win*B = {self.n_win * self.B}) must cover that so block scores are final when chosen")
-        check(0 <= self.k_q <= self.k, f"need 0 <= k_q <= k (got k_q={self.k_q}, k={self.k})")
-        check(self.k_e >= self.n_forced,
-              f"k_e = k - k_q = {self.k_e} must hold the {self.n_forced} forced blocks "
-              f"(n_sink + n_win + 1); raise k or lower k_q, n_win, n_sink")
+        check(1 <= self.k_q <= self.k, f"need 1 <= k_q <= k: the query's own block is one of the k_q "
+                                       f"query-aware blocks (got k_q={self.k_q}, k={self.k})")
+        check(self.k_e >= self.n_sink + self.n_win,
+              f"k_e = k - k_q = {self.k_e} must hold the n_sink + n_win = {self.n_sink + self.n_win} sink and "
+              f"window blocks; raise k or lower k_q, n_win, n_sink")
         check(self.max_seq_len >= self.B, "max_seq_len must hold at least one block")
 
     @property
-    def k_e(self):  # query-agnostic budget, forced blocks included
+    def k_e(self):  # query-agnostic budget: sinks, window before the own block, core
         return self.k - self.k_q
 
     @property
@@ -100,8 +111,12 @@ class Config:
         return self.n_sink + self.n_win + 1
 
     @property
-    def k_q_free(self):  # free query-aware picks beyond F in this attention mode
-        return {"nosa": self.k_q, "infllmv2": self.k - self.n_forced, "dma": 0, "full": 0}[self.attn]
+    def k_q_free(self):  # picks by Q beyond F(t) in this attention mode
+        return {"nosa": self.k_q - 1, "infllmv2": self.k - self.n_forced, "dma": 0, "full": 0}[self.attn]
+
+    @property
+    def n_core(self):  # picks by E beyond F(t): the core (nosa: k_e - n_sink - n_win)
+        return self.k - self.n_forced - self.k_q_free
 
     @classmethod
     def from_preset(cls, name, **overrides):
@@ -142,20 +157,35 @@ def select_blocks(Q, E, q_pos, cfg):
     cand = causal & ~forced
     pick_q = cand & (eviction.rank_desc(Q, cand) < cfg.k_q_free)  # Γ_q(t) \ F(t)
     rest = cand & ~pick_q
-    n_e = cfg.k - cfg.n_forced - cfg.k_q_free  # E-picks: the core, plus the core members Q already took
-    pick_e = rest & (eviction.rank_desc(E.unsqueeze(-2).expand_as(Q), rest) < n_e)
+    # E-picks: the core, with the core members Q already took replaced by the next best by E
+    pick_e = rest & (eviction.rank_desc(E.unsqueeze(-2).expand_as(Q), rest) < cfg.n_core)
     few = causal.sum(-1, keepdim=True) <= cfg.k  # fewer than k causal blocks: take them all
     return torch.where(few, causal, forced | pick_q | pick_e)
 
 
 def core_mask(E, q_pos, cfg):
-    """The query-agnostic core at each position (..., T, nb): the top k_e - |F| candidates by E.
+    """The query-agnostic core at each position (..., T, nb): the top n_core candidates by E.
     Γ(t) contains it (plus F(t)) whenever more than k blocks are causal; used by the tests."""
     nb = E.shape[-1]
     b = torch.arange(nb, device=E.device)
     q_blk = (q_pos // cfg.B)[..., None]
     cand = (b >= cfg.n_sink) & (b < q_blk - cfg.n_win)
-    return eviction.core_blocks(E.unsqueeze(-2).expand(*cand.shape), cand, cfg.k_e - cfg.n_forced)
+    return eviction.core_blocks(E.unsqueeze(-2).expand(*cand.shape), cand, cfg.n_core)
+
+
+def select(q, K_sub, c_sub, q_pos, nb, cfg):
+    """Score, then select: the one path from the pooled caches to Γ(t), shared by the parallel forward
+    (training, prefill) and decoding, so both pick exactly the same blocks.
+
+    q (Bz, H_q, T, d) at positions q_pos (Bz, T); K̃ (Bz, H_kv, M, d) compressed keys; c̃ (Bz, H_kv, M)
+    sub-block means of the eviction score, or None (infllmv2: E plays no part); nb blocks to score.
+    Returns the block mask (Bz, H_kv, T, nb)."""
+    Q = pooling.query_aware_scores(q, K_sub, q_pos, nb, cfg)  # (Bz, H_kv, T, nb)
+    if c_sub is None:
+        E = Q.new_zeros(Q.shape[0], cfg.H_kv, nb)
+    else:
+        E = eviction.eviction_block_scores(c_sub, nb, cfg)  # (Bz, H_kv, nb)
+    return select_blocks(Q, E, q_pos[:, None], cfg)
 
 
 def nosa_attention(q, k, v, c, cfg):
@@ -168,12 +198,7 @@ def nosa_attention(q, k, v, c, cfg):
     if cfg.attn == "full":
         return attention.sparse_attention(q, k, v, None, None, q_pos, cfg), None
     with torch.no_grad():
-        nb = pooling.n_blocks(T, cfg)
-        Q = pooling.query_aware_scores(q, pooling.compress_keys(k, cfg), q_pos, nb, cfg)  # (Bz, H_kv, T, nb)
-        if c is None:  # infllmv2: no eviction head, E plays no part
-            E = Q.new_zeros(Bz, cfg.H_kv, nb)
-        else:
-            E = eviction.eviction_block_scores(pooling.pool_mean(c, cfg), nb, cfg)  # (Bz, H_kv, nb)
-        block_mask = select_blocks(Q, E, q_pos[:, None], cfg)
+        c_sub = None if c is None else pooling.pool_mean(c, cfg)
+        block_mask = select(q, pooling.compress_keys(k, cfg), c_sub, q_pos, pooling.n_blocks(T, cfg), cfg)
     bias = None if c is None else eviction.attention_bias(c, cfg.attn)
     return attention.sparse_attention(q, k, v, bias, block_mask, q_pos, cfg), block_mask
