@@ -5,14 +5,15 @@ Benchmarks, run on the GPU machine; every figure is a ratio against a limit meas
     python bench.py prefill                      # sparse attention fwd+bwd vs dense SDPA (flash), paper defaults
     python bench.py decode                       # decode kernels vs HBM bandwidth, batch 1..64
     python bench.py sdpa                         # dense decode under each SDPA backend
-    python bench.py quality --ckpts DIR          # trained tiny models: long-context quality (CPU is fine)
+    python bench.py quality                      # out/tiny-{nosa,full,infllmv2,dma} from train.py: long-context quality
     python bench.py throughput --shape 8b --prompt-len 32768 --budget-gb 24   # decode at a fixed GPU budget
-    python bench.py throughput --trained --ckpts DIR --prompt-len 8192        # the same, trained tiny models
+    python bench.py throughput --trained --prompt-len 8192                     # the same, trained tiny models
 
 Record results with their command in BENCHMARKS.md.
 """
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 import attention
+import checkpoint
 import nosa
 import offload
 import pooling
@@ -233,19 +235,28 @@ def bench_sdpa(Bz=12, H_kv=2, G=16, S=131073, d=128):
     return rows
 
 
+def trained_path(ckpts, attn):
+    """Where train.py --attn ATTN puts its tiny model: ckpts/tiny-ATTN (ckpts = out/ by default)."""
+    path = os.path.join(ckpts, f"tiny-{attn}")
+    if not checkpoint.is_checkpoint(path):
+        raise FileNotFoundError(f"{path}: no trained {attn} model; train it with `python train.py --attn {attn} "
+                                f"--out {path}` (BENCHMARKS.md gives the settings), or point --ckpts elsewhere")
+    return path
+
+
 def bench_quality(ckpts, windows=16, T=1024, n_prompts=8, prompt_len=128, gen_len=1024):
-    """Long-sequence quality of the tiny models trained by train.py (ckpts/{nosa,full,infllmv2,dma}):
+    """Long-sequence quality of the tiny models trained by train.py (ckpts/tiny-{nosa,full,infllmv2,dma}):
     teacher-forced loss on held-out windows (by position: the first k·B tokens are dense for every
     model), and free generations of gen_len tokens scored by the full-attention model. 'full as
     infllmv2' is the training-free baseline: the full-attention model decoded with InfLLMv2-style
     selection at the same budget k."""
-    import checkpoint
     import train
     from model import KVCache
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     systems = [("nosa", "nosa", None), ("full", "full", None), ("infllmv2", "infllmv2", None),
                ("dma", "dma", None), ("full as infllmv2 (training-free)", "full", "infllmv2")]
-    judge, tok = checkpoint.load(f"{ckpts}/full", dev, torch.float32)
+    paths = {ck: trained_path(ckpts, ck) for _, ck, _ in systems}  # all there before any work
+    judge, tok = checkpoint.load(paths["full"], dev, torch.float32)
     eot = tok.token_to_id(train.EOT)  # the held-out files of the default corpus, as train.py splits them
     val = torch.tensor([i for name, text in train.documents() if train.is_val(name)
                         for i in tok.encode(text).ids + [eot]])
@@ -255,7 +266,7 @@ def bench_quality(ckpts, windows=16, T=1024, n_prompts=8, prompt_len=128, gen_le
     prompts = [val[s:s + prompt_len].tolist() for s in starts[:n_prompts]]
     rows = []
     for name, ck, attn in systems:
-        model, _ = checkpoint.load(f"{ckpts}/{ck}", dev, torch.float32, **({"attn": attn} if attn else {}))
+        model, _ = checkpoint.load(paths[ck], dev, torch.float32, **({"attn": attn} if attn else {}))
         with torch.no_grad():
             nll = F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten(), reduction="none").view(windows, -1)
             torch.manual_seed(0)
@@ -334,7 +345,7 @@ def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, w
     whose weights + KV cache fit the budget (offload.max_batch, a 2 GiB margin for activations on a
     GPU). With random weights (the default) the cache is filled with random K, V, c through the
     prefill path, so the query-aware selection is random: hit rates are then the guaranteed bound's
-    worst case, not a trained model's. With ckpts (train.py's tiny models: DIR/{nosa,full,infllmv2})
+    worst case, not a trained model's. With ckpts (train.py's tiny models: DIR/tiny-{nosa,full,infllmv2})
     the prompts are real text run through each trained model: real selections.
     Per system: eager steps split by phase (weights, selection, transfer, attention), then the same
     step as a CUDA graph (model.GraphedDecode; dense attention has dynamic shapes and stays eager)."""
@@ -355,8 +366,7 @@ def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, w
     for system, attn, use_offload in (SYSTEMS[s] for s in systems):
         torch.manual_seed(0)
         if ckpts:
-            import checkpoint
-            model, tok = checkpoint.load(f"{ckpts}/{attn}", dev, dtype, max_seq_len=max_len)
+            model, tok = checkpoint.load(trained_path(ckpts, attn), dev, dtype, max_seq_len=max_len)
             prompts = prompts or real_prompts(tok, batch_limit, prompt_len)  # one tokenizer for all of them
         else:
             with torch.device(dev):  # initialised where it runs: an 8B model would take minutes on the host
@@ -453,7 +463,7 @@ def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, w
     return rows
 
 
-def main(what, json_path=None, ckpts="checkpoints", trained=False, **throughput):
+def main(what, json_path=None, ckpts=os.path.join(checkpoint.ROOT, "out"), trained=False, **throughput):
     if what == "quality":
         rows = bench_quality(ckpts)
     elif what == "throughput":
@@ -477,7 +487,8 @@ if __name__ == "__main__":
     p.add_argument("what", choices=["gather", "prefill", "decode", "sdpa", "quality", "throughput"],
                    help="which benchmark")
     p.add_argument("--json", help="also write the rows to this file")
-    p.add_argument("--ckpts", default="checkpoints", help="quality: directory with nosa/ full/ infllmv2/ dma/")
+    p.add_argument("--ckpts", default=os.path.join(checkpoint.ROOT, "out"),
+                   help="quality, throughput --trained: where train.py wrote tiny-nosa/, tiny-full/, ... (default: out/)")
     p.add_argument("--shape", default="tiny", choices=sorted(SHAPES), help="throughput: model shape")
     p.add_argument("--prompt-len", type=int, default=4096, help="throughput: context before decoding")
     p.add_argument("--budget-gb", type=float, default=24.0, help="throughput: GPU memory budget")
@@ -488,4 +499,4 @@ if __name__ == "__main__":
     a = p.parse_args()
     kw = dict(shape=a.shape, prompt_len=a.prompt_len, budget_gb=a.budget_gb, steps=a.steps, host_gb=a.host_gb,
               trained=a.trained, systems=a.systems.split(",")) if a.what == "throughput" else {}
-    main(a.what, a.json, a.ckpts, **kw)
+    checkpoint.run_cli(main, a.what, a.json, a.ckpts, **kw)

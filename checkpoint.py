@@ -9,6 +9,9 @@ with model.safetensors.index.json, tokenizer.json. Tensor names are the same in 
 """
 import json
 import os
+import shutil
+import sys
+from dataclasses import fields
 
 import torch
 from safetensors import SafetensorError
@@ -19,7 +22,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from model import Transformer
 from nosa import Config
 
-DEFAULT_CHECKPOINT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints", "tiny-nosa")
+ROOT = os.path.dirname(os.path.abspath(__file__))  # defaults resolve here, whatever the working directory
+DEFAULT_CHECKPOINT = os.path.join(ROOT, "checkpoints", "tiny-nosa")  # the embedded model; train.py never writes it
 
 
 def byte_tokenizer():
@@ -31,20 +35,45 @@ def byte_tokenizer():
     return tok
 
 
-def save(model, tokenizer, path, dtype=None, extra=None):
-    """Write weights (in `dtype`, or as they are), config and tokenizer; `extra` (training state)
-    goes to train_state.json."""
-    os.makedirs(path, exist_ok=True)
+def save(model, tokenizer, path, dtype=None, train_state=None, optimizer=None):
+    """Write weights (in `dtype`, or as they are), config, tokenizer and, for a training run, its state
+    (train_state.json) and the optimizer's (optimizer.pt). Atomic: everything goes to path.tmp first,
+    which then replaces path by renames, so a process killed at any moment leaves a whole checkpoint
+    on disk: the new one, or the old one (at path, or at path.old for the instant between the two
+    renames, where `recover` finds it)."""
+    path = os.path.normpath(path)
+    tmp, old = path + ".tmp", path + ".old"
+    shutil.rmtree(tmp, ignore_errors=True)  # what a killed save left
+    os.makedirs(tmp)
     sd = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in model.state_dict().items()}
     if model.cfg.tie_embeddings:
         sd.pop("lm_head.weight")
-    save_file(sd, os.path.join(path, "model.safetensors"))
-    with open(os.path.join(path, "config.json"), "w") as f:
+    save_file(sd, os.path.join(tmp, "model.safetensors"))
+    with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(model.cfg.to_dict(), f, indent=1)
-    tokenizer.save(os.path.join(path, "tokenizer.json"))
-    if extra is not None:
-        with open(os.path.join(path, "train_state.json"), "w") as f:
-            json.dump(extra, f)
+    tokenizer.save(os.path.join(tmp, "tokenizer.json"))
+    if train_state is not None:
+        with open(os.path.join(tmp, "train_state.json"), "w") as f:
+            json.dump(train_state, f)
+    if optimizer is not None:
+        torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+    recover(path)
+    if os.path.isdir(path):
+        os.rename(path, old)
+    os.rename(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def recover(path):
+    """If a save was killed between its two renames, put the previous checkpoint back at path."""
+    path = os.path.normpath(path)
+    if not os.path.isdir(path) and os.path.isdir(path + ".old"):
+        os.rename(path + ".old", path)
+
+
+def is_checkpoint(path):
+    recover(path)
+    return os.path.isfile(os.path.join(path, "config.json"))
 
 
 def config_from_hf(hf, **overrides):
@@ -70,9 +99,10 @@ def load(path, device="cpu", dtype=None, **overrides):
     one (config.json, model.safetensors or shards with model.safetensors.index.json, tokenizer.json).
     `overrides` change config fields (e.g. attn="infllmv2"). Every failure is one line that says what
     to do, and comes before any tensor is loaded: nothing is half-loaded."""
+    recover(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no checkpoint directory at {path!r}: train one with `python train.py --out "
-                                f"{path}` or pass another --checkpoint")
+                                f"{path}`, or give the path of an existing one")
     index = os.path.join(path, "model.safetensors.index.json")
     single = os.path.join(path, "model.safetensors")
     missing = [n for n in ("config.json", "tokenizer.json") if not os.path.isfile(os.path.join(path, n))]
@@ -80,12 +110,18 @@ def load(path, device="cpu", dtype=None, **overrides):
         missing.insert(0, "model.safetensors")
     if missing:
         raise FileNotFoundError(f"checkpoint {path!r} lacks {', '.join(missing)}: train one with "
-                                f"`python train.py --out {path}` or pass another --checkpoint")
+                                f"`python train.py --out {path}`, or give the path of an existing one")
     try:
         with open(os.path.join(path, "config.json")) as f:
             raw = json.load(f)
-        cfg = config_from_hf(raw, **overrides) if "hidden_size" in raw else Config(**{**raw, **overrides})
-    except (json.JSONDecodeError, TypeError, KeyError, ValueError) as e:
+        if "hidden_size" in raw:  # Hugging Face: documented defaults for the keys it leaves out
+            cfg = config_from_hf(raw, **overrides)
+        else:  # this project's format writes every field: a missing one is an error, not a default
+            lacking = [f.name for f in fields(Config) if f.name not in raw]
+            if lacking:
+                raise ValueError(f"it lacks {', '.join(map(repr, lacking))}")
+            cfg = Config(**{**raw, **overrides})
+    except (json.JSONDecodeError, UnicodeDecodeError, TypeError, KeyError, ValueError) as e:
         raise ValueError(f"{os.path.join(path, 'config.json')} is not a valid NOSA config ({e})") from None
     if os.path.isfile(index):
         with open(index) as f:
@@ -142,3 +178,36 @@ def load(path, device="cpu", dtype=None, **overrides):
         with open(tok_cfg) as f:
             model.chat_template = json.load(f).get("chat_template")
     return model.eval(), tokenizer
+
+
+# -----------------------------------------------------------------------------
+# Set-up shared by the scripts (train.py, generate.py, bench.py)
+
+
+def pick_device(name=None):
+    """'cuda' when available unless `name` says otherwise; a clear error for a device this torch lacks."""
+    name = name or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name!r}: give cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: this torch ({torch.__version__}) sees no CUDA device; "
+                         f"use --device cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name!r}: give cpu, cuda or cuda:N")
+    return dev
+
+
+ANTICIPATED = (ValueError, OSError, MemoryError)  # bad input: the message says what to do
+
+
+def run_cli(main, *args, **kwargs):
+    """Run a script's main(); an anticipated error (bad flag, missing or corrupt checkpoint, a budget
+    that does not fit) is printed as its one-line message, exit code 2 (as for a bad flag). Anything
+    else is a bug and keeps its traceback."""
+    try:
+        return main(*args, **kwargs)
+    except ANTICIPATED as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -15,6 +15,7 @@ import time
 import torch
 
 import checkpoint
+import nosa
 from model import Transformer
 from nosa import Config
 
@@ -67,12 +68,16 @@ class Store:
 
 def main(checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, prompt=DEFAULT_PROMPT, max_new_tokens=300, batch=1,
          temperature=0.8, top_k=50, offload=False, device=None, seed=1337, quiet=False, attn=None):
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    for name, value, least in (("--batch", batch, 1), ("--max-new-tokens", max_new_tokens, 1), ("--top-k", top_k, 0),
+                               ("--temperature", temperature, 0)):
+        if value < least:
+            raise ValueError(f"{name} {value}: must be at least {least}")
+    device = checkpoint.pick_device(device)
     torch.manual_seed(seed)
     overrides = {"attn": attn} if attn else {}
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if checkpoint_dir != checkpoint.DEFAULT_CHECKPOINT or os.path.isdir(checkpoint_dir):
-        model, tokenizer = checkpoint.load(checkpoint_dir, device, torch.bfloat16 if device.startswith("cuda")
-                                           else torch.float32, **overrides)
+        model, tokenizer = checkpoint.load(checkpoint_dir, device, dtype, **overrides)
     else:
         print(f"no checkpoint at {checkpoint_dir!r}: using a randomly initialised tiny model (expect noise)")
         tokenizer = checkpoint.byte_tokenizer()
@@ -93,14 +98,14 @@ def main(checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, prompt=DEFAULT_PROMPT, ma
         return nosi.OffloadCache(model.cfg, batch, device, model.embed_tokens.weight.dtype,
                                  max_len=max(map(len, ids)) + max_new_tokens)
 
-    if device.startswith("cuda"):  # warm-up: build uva_copy.cu and compile the kernels outside the timing
+    if device.type == "cuda":  # warm-up: build uva_copy.cu and compile the kernels outside the timing
         model.generate(ids, 2, temperature, top_k, cache=new_cache())
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # give the warm-up cache back before the budget check of the real one
     cache = new_cache()
     t0 = time.perf_counter()
     out = model.generate(ids, max_new_tokens, temperature, top_k, cache=cache)
-    if device.startswith("cuda"):
+    if device.type == "cuda":
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     if not quiet:
@@ -115,10 +120,20 @@ def main(checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, prompt=DEFAULT_PROMPT, ma
     return out
 
 
-if __name__ == "__main__":
+def read_prompt(path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--prompt-file {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise FileNotFoundError(f"--prompt-file {path}: {e.strerror}") from None
+
+
+def cli(argv=None):
     p = argparse.ArgumentParser(description="Generate text with a NOSA model.")
     p.add_argument("--checkpoint", default=checkpoint.DEFAULT_CHECKPOINT,
-                   help="checkpoint directory (default: the embedded tiny model)")
+                   help="checkpoint directory (default: the embedded tiny model), e.g. out/tiny-nosa from train.py")
     p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch of different prompts")
     p.add_argument("--prompt-file", action="append", help="read a prompt from this file (repeatable)")
     p.add_argument("--max-new-tokens", type=int, default=300, help="tokens to generate per sequence")
@@ -129,8 +144,19 @@ if __name__ == "__main__":
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--quiet", action="store_true", help="print only the statistics, not the text")
-    p.add_argument("--attn", choices=["nosa", "full", "infllmv2", "dma"],
+    p.add_argument("--attn", choices=nosa.MODES,
                    help="override the checkpoint's attention mode (e.g. infllmv2: training-free sparse decoding)")
-    a = p.parse_args()
-    prompt = (a.prompt or []) + [open(f).read() for f in a.prompt_file or []] or DEFAULT_PROMPT
-    main(a.checkpoint, prompt, a.max_new_tokens, a.batch, a.temperature, a.top_k, a.offload, a.device, a.seed, a.quiet, a.attn)
+    a = p.parse_args(argv)
+
+    def run():
+        if checkpoint.pick_device(a.device).type == "cpu":  # decoding a small model is a chain of small ops: one
+            torch.set_num_threads(1)  # thread is as fast as two, and does not collapse when the cores are busy
+        prompt = (a.prompt or []) + [read_prompt(f) for f in a.prompt_file or []] or DEFAULT_PROMPT
+        return main(a.checkpoint, prompt, a.max_new_tokens, a.batch, a.temperature, a.top_k, a.offload, a.device,
+                    a.seed, a.quiet, a.attn)
+
+    return checkpoint.run_cli(run)
+
+
+if __name__ == "__main__":
+    cli()

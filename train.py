@@ -2,10 +2,11 @@
 Train a NOSA model (or one of its baselines) on text that every machine has: the Python standard
 library's own source and its pydoc topics, read from the running interpreter. No download.
 
-    python train.py                                   # tiny preset, NOSA, CPU (~10 min) or GPU
-    python train.py --attn full --out checkpoints/tiny-full
-    python train.py --data my_texts/ --steps 5000     # any other text files
+    python train.py                                   # tiny preset, NOSA -> out/tiny-nosa (CPU: ~10 min)
+    python train.py --attn full                       # -> out/tiny-full
+    python train.py --data my_texts/ --steps 5000 --out out/mine   # any other text files
     torchrun --nproc_per_node=2 train.py              # DistributedDataParallel (gloo on CPU, NCCL on GPUs)
+    python generate.py --checkpoint out/tiny-nosa     # what the first command trained
 
 The sparse pattern is the same in training and in decoding (nosa.py), so the model learns to use
 exactly the blocks it will see at inference. Checkpoints: checkpoint.py.
@@ -25,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import checkpoint
+import nosa
 from model import Transformer
 from nosa import Config
 
@@ -36,24 +38,41 @@ EOT = "<|endoftext|>"
 
 
 def documents(data=None):
-    """(name, text) pairs: the files under `data` (a file or a directory), else the standard library's
-    .py sources and pydoc topics."""
-    if data:
-        paths = [data] if os.path.isfile(data) else sorted(
-            p for p in glob.glob(os.path.join(data, "**", "*"), recursive=True) if os.path.isfile(p))
-        if not paths:
-            raise FileNotFoundError(f"--data {data!r}: no files found; give a text file or a directory of them")
-    else:
+    """(name, text) pairs: the UTF-8 text files under `data` (a file or a directory), else the standard
+    library's .py sources and pydoc topics. Files that are not text are skipped, and said so; input
+    that is mostly not text is refused."""
+    if not data:
         root = sysconfig.get_paths()["stdlib"]
         paths = sorted(p for p in glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
                        if "site-packages" not in p)
         from pydoc_data import topics
-        yield from ((f"pydoc:{k}", v) for k, v in sorted(topics.topics.items()))
+        docs = [(f"pydoc:{k}", v) for k, v in sorted(topics.topics.items())]
+        for p in paths:
+            with open(p, encoding="utf-8", errors="replace") as f:
+                docs.append((p, f.read()))
+        return docs
+    paths = [data] if os.path.isfile(data) else sorted(
+        p for p in glob.glob(os.path.join(data, "**", "*"), recursive=True) if os.path.isfile(p))
+    if not paths:
+        raise FileNotFoundError(f"--data {data!r}: no files found; give a text file or a directory of them")
+    docs, skipped, n_text, n_all = [], 0, 0, 0
     for p in paths:
-        with open(p, encoding="utf-8", errors="replace") as f:
-            yield p, f.read()
-
-
+        with open(p, "rb") as f:
+            raw = f.read()
+        n_all += len(raw)
+        try:
+            if b"\0" in raw:
+                raise UnicodeDecodeError("utf-8", raw, 0, 1, "NUL byte")
+            docs.append((p, raw.decode("utf-8")))
+            n_text += len(raw)
+        except UnicodeDecodeError:
+            skipped += 1
+    print(f"--data {data}: {len(docs)} text files, {n_text / 1e6:.2f} MB of text ({100 * n_text / max(n_all, 1):.0f}% "
+          f"of the input); skipped {skipped} files that are not UTF-8 text")
+    if n_text == 0 or n_text < n_all / 2:
+        raise ValueError(f"--data {data!r} is mostly not UTF-8 text ({n_text} of {n_all} bytes): point it at text "
+                         f"files")
+    return docs
 def is_val(name):
     """Split by document (5% to validation), stable across machines and runs."""
     return int(hashlib.sha1(os.path.basename(name).encode()).hexdigest(), 16) % 20 == 0
@@ -65,9 +84,14 @@ def prepare(data_dir, vocab_size, data=None):
     tok_path = os.path.join(data_dir, "tokenizer.json")
     if all(os.path.exists(os.path.join(data_dir, f)) for f in ("tokenizer.json", "train.bin", "val.bin")):
         return Tokenizer.from_file(tok_path)
+    docs = documents(data)
     os.makedirs(data_dir, exist_ok=True)
-    docs = list(documents(data))
-    val = {name for name, _ in docs if is_val(name)} or {docs[0][0]}  # a tiny corpus still gets a val document
+    val = {name for name, _ in docs if is_val(name)}
+    if len(val) in (0, len(docs)):  # too few documents to hold some out: hold out the last 5% of each instead
+        cut = [(name, int(0.95 * len(text))) for name, text in docs]
+        docs = [(f"{n}:train", t[:c]) for (n, t), (_, c) in zip(docs, cut)] + \
+               [(f"{n}:val", t[c:]) for (n, t), (_, c) in zip(docs, cut)]
+        val = {name for name, _ in docs if name.endswith(":val")}
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -118,10 +142,36 @@ def evaluate(model, val, batch_size, T, device, n_batches=8):
     return sum(losses) / len(losses)
 
 
-def main(preset="tiny", attn="nosa", out="checkpoints/tiny-nosa", data=None, data_dir="data", steps=120,
-         batch_size=4, seq_len=1024, lr=3e-3, warmup=20, weight_decay=0.1, grad_clip=1.0, eval_every=40,
-         seed=1337, device=None, resume=False, stop_at=None, save_bf16=False, log_every=10, **overrides):
-    """Train; returns (model, last validation loss). `overrides` go to the Config (tests use tiny shapes)."""
+def main(preset="tiny", attn="nosa", out=None, data=None, data_dir=None, steps=120, batch_size=4, seq_len=1024,
+         lr=3e-3, warmup=20, weight_decay=0.1, grad_clip=1.0, eval_every=40, seed=1337, device=None, resume=False,
+         force=False, stop_at=None, save_bf16=False, log_every=10, **overrides):
+    """Train; returns (model, last validation loss). `overrides` go to the Config (tests use tiny shapes).
+    out defaults to out/{preset}-{attn} and data_dir to data/, both in the repository, whatever the
+    working directory. An existing checkpoint in out is continued with resume, replaced with force,
+    and otherwise left alone."""
+    for name, value, least in (("--steps", steps, 1), ("--batch-size", batch_size, 1), ("--seq-len", seq_len, 1),
+                               ("--eval-every", eval_every, 1), ("--log-every", log_every, 1),
+                               ("--warmup", warmup, 0), ("--stop-at", stop_at or 1, 1)):
+        if value < least:
+            raise ValueError(f"{name} {value}: must be at least {least}")
+    if not lr > 0:
+        raise ValueError(f"--lr {lr}: must be positive")
+    out = out or os.path.join(checkpoint.ROOT, "out", f"{preset}-{attn}")
+    data_dir = data_dir or os.path.join(checkpoint.ROOT, "data")
+    cfg = Config.from_preset(preset, attn=attn, **overrides)  # invalid configs fail here, before any work
+    if seq_len > cfg.max_seq_len:
+        raise ValueError(f"--seq-len {seq_len} exceeds the preset's max_seq_len {cfg.max_seq_len}")
+    if resume and not checkpoint.is_checkpoint(out):
+        raise FileNotFoundError(f"--resume: no checkpoint in {out!r} to continue; drop --resume to start a run there")
+    if not resume and not force and checkpoint.is_checkpoint(out):
+        raise FileExistsError(f"{out!r} already holds a checkpoint: --resume continues it, --force replaces it, "
+                              f"--out DIR writes elsewhere")
+    state = json.load(open(os.path.join(out, "train_state.json"))) if resume else None
+    if state and state["step"] >= steps:
+        print(f"the run in {out} is complete (step {state['step']} of {steps}); to train further, --resume with "
+              f"a larger --steps (the learning-rate schedule is stretched to it)")
+        return checkpoint.load(out, dtype=torch.float32)[0], state.get("val_loss")
+
     ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if ddp:
@@ -130,12 +180,9 @@ def main(preset="tiny", attn="nosa", out="checkpoints/tiny-nosa", data=None, dat
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
             device = f"cuda:{os.environ['LOCAL_RANK']}"
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = checkpoint.pick_device(device)
     master = rank == 0
 
-    cfg = Config.from_preset(preset, attn=attn, **overrides)  # invalid configs fail here, before any work
-    if seq_len > cfg.max_seq_len:
-        raise ValueError(f"--seq-len {seq_len} exceeds the preset's max_seq_len {cfg.max_seq_len}")
     data_dir = os.path.join(data_dir, hashlib.sha1(f"{data}|{cfg.vocab_size}".encode()).hexdigest()[:10])
     if master:
         tok = prepare(data_dir, cfg.vocab_size, data)
@@ -161,9 +208,8 @@ def main(preset="tiny", attn="nosa", out="checkpoints/tiny-nosa", data=None, dat
         model_r, _ = checkpoint.load(out, device, dtype=torch.float32)
         if model_r.cfg != cfg:
             raise ValueError(f"--resume: the checkpoint in {out!r} has another config ({model_r.cfg.attn}, "
-                             f"{model_r.cfg.n_layer} layers); use its flags or another --out")
+                             f"{model_r.cfg.n_layer} layers); use its flags, or --out DIR for a new run")
         model.load_state_dict(model_r.state_dict())
-        state = json.load(open(os.path.join(out, "train_state.json")))
         opt.load_state_dict(torch.load(os.path.join(out, "optimizer.pt"), map_location=device, weights_only=True))
         step = state["step"]
         if master:
@@ -175,7 +221,7 @@ def main(preset="tiny", attn="nosa", out="checkpoints/tiny-nosa", data=None, dat
     n_params = sum(p.numel() for p in raw.parameters())
     if master:
         print(f"{attn} | {n_params / 1e6:.2f}M parameters | {len(train_data) / 1e6:.1f}M train tokens | "
-              f"{steps} steps x {batch_size * world} x {seq_len} tokens | {device}")
+              f"{steps} steps x {batch_size * world} x {seq_len} tokens | {device} | checkpoints to {out}")
     t0, t_last, val_loss = time.time(), time.time(), None
     start = step
     stop_at = min(stop_at or steps, steps)
@@ -201,34 +247,43 @@ def main(preset="tiny", attn="nosa", out="checkpoints/tiny-nosa", data=None, dat
         if master and (step % eval_every == 0 or step == stop_at):
             val_loss = evaluate(raw, val_data, batch_size, seq_len, device)
             print(f"step {step} | val loss {val_loss:.3f}", flush=True)
-            checkpoint.save(raw, tok, out, dtype=torch.bfloat16 if save_bf16 else None,
-                            extra=dict(step=step, steps=steps, val_loss=val_loss, seed=seed, seq_len=seq_len,
-                                       batch_size=batch_size * world, attn=attn, data=data or "stdlib"))
-            torch.save(opt.state_dict(), os.path.join(out, "optimizer.pt"))
+            checkpoint.save(raw, tok, out, dtype=torch.bfloat16 if save_bf16 else None, optimizer=opt,
+                            train_state=dict(step=step, steps=steps, val_loss=val_loss, seed=seed, seq_len=seq_len,
+                                             batch_size=batch_size * world, attn=attn, data=data or "stdlib"))
+    if master and step == steps:
+        print(f"done: generate with `python generate.py --checkpoint {out}`")
     if ddp:
         dist.destroy_process_group()
     return raw, val_loss
 
 
 def parse_overrides(items):
-    """["k=32", "attn=dma"] -> {"k": 32, "attn": "dma"}, typed like the Config fields."""
+    """["k=32", "n_layer=6"] -> {"k": 32, "n_layer": 6}, typed like the Config fields."""
     defaults, out = Config(), {}
     for item in items:
-        key, _, val = item.partition("=")
+        key, eq, val = item.partition("=")
+        if not eq:
+            raise ValueError(f"--set {item}: write FIELD=VALUE, e.g. --set k=32")
+        if key == "attn":
+            raise ValueError("--set attn=...: the attention mode has its own flag, --attn")
         if not hasattr(defaults, key) or key.startswith("_"):
-            raise SystemExit(f"--set {item}: unknown config field {key!r}; see nosa.Config")
+            raise ValueError(f"--set {item}: unknown config field {key!r}; see nosa.Config")
         typ = type(getattr(defaults, key))
-        out[key] = val.lower() in ("1", "true", "yes") if typ is bool else typ(val)
+        try:
+            out[key] = val.lower() in ("1", "true", "yes") if typ is bool else typ(val)
+        except ValueError:
+            raise ValueError(f"--set {item}: {key} takes {dict(int='an integer', float='a number')[typ.__name__]}") from None
     return out
 
 
-if __name__ == "__main__":
+def cli(argv=None):
     p = argparse.ArgumentParser(description="Train a NOSA model on an offline corpus.")
     p.add_argument("--preset", default="tiny", help="config preset (nosa.PRESETS)")
-    p.add_argument("--attn", default="nosa", choices=["nosa", "full", "infllmv2", "dma"], help="attention mode")
-    p.add_argument("--out", default="checkpoints/tiny-nosa", help="checkpoint directory")
+    p.add_argument("--attn", default="nosa", choices=nosa.MODES, help="attention mode")
+    p.add_argument("--out", help="checkpoint directory (default: out/PRESET-ATTN in the repository)")
     p.add_argument("--data", help="a text file or directory (default: the Python standard library)")
-    p.add_argument("--data-dir", default="data", help="where the tokenizer and token streams are cached")
+    p.add_argument("--data-dir", help="where the tokenizer and token streams are cached (default: data/ in the "
+                                      "repository)")
     p.add_argument("--steps", type=int, default=120, help="optimizer steps (the length of the schedule)")
     p.add_argument("--stop-at", type=int, help="checkpoint and stop after this step; --resume continues")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per step (per process)")
@@ -239,10 +294,16 @@ if __name__ == "__main__":
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     p.add_argument("--resume", action="store_true", help="continue the run saved in --out")
+    p.add_argument("--force", action="store_true", help="replace a checkpoint already in --out")
     p.add_argument("--save-bf16", action="store_true", help="store weights in bf16 (half the size)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a config field of the preset, e.g. --set k=32 --set n_layer=6")
-    a = p.parse_args()
-    main(a.preset, a.attn, a.out, a.data, a.data_dir, a.steps, a.batch_size, a.seq_len, a.lr, a.warmup,
-         eval_every=a.eval_every, seed=a.seed, device=a.device, resume=a.resume, stop_at=a.stop_at,
-         save_bf16=a.save_bf16, **parse_overrides(a.set))
+    a = p.parse_args(argv)
+    return checkpoint.run_cli(lambda: main(
+        a.preset, a.attn, a.out, a.data, a.data_dir, a.steps, a.batch_size, a.seq_len, a.lr, a.warmup,
+        eval_every=a.eval_every, seed=a.seed, device=a.device, resume=a.resume, force=a.force, stop_at=a.stop_at,
+        save_bf16=a.save_bf16, **parse_overrides(a.set)))
+
+
+if __name__ == "__main__":
+    cli()

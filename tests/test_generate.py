@@ -47,3 +47,23 @@ def test_greedy_offload_matches_resident():
 def test_missing_checkpoint_is_one_clear_error():
     with pytest.raises(FileNotFoundError, match="no checkpoint directory at"):
         generate.main(checkpoint_dir="/nonexistent/ckpt", max_new_tokens=5, device="cpu")
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--batch", "0"], "--batch 0: must be at least 1"),
+    (["--batch", "-1"], "--batch -1"),
+    (["--temperature", "-1"], "--temperature -1.0"),
+    (["--top-k", "-1"], "--top-k -1"),
+    (["--max-new-tokens", "0"], "--max-new-tokens 0"),
+    (["--prompt-file", "BINARY"], "not UTF-8 text"),
+    (["--prompt-file", "/nonexistent/prompt.py"], "--prompt-file /nonexistent/prompt.py: No such file"),
+    (["--checkpoint", "/nonexistent/ckpt"], "no checkpoint directory at '/nonexistent/ckpt'"),
+    (["--max-new-tokens", "5000"], "exceeds max_seq_len"),
+] + ([(["--device", "cuda"], "sees no CUDA device")] if not torch.cuda.is_available() else []))
+def test_generate_flags_fail_in_one_line(argv, msg, capsys, tmp_path):
+    binary = tmp_path / "prompt.bin"
+    binary.write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(SystemExit) as e:
+        generate.cli([str(binary) if a == "BINARY" else a for a in argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ") and msg in err, err

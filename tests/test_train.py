@@ -76,6 +76,9 @@ def test_bad_checkpoints_fail_clearly(corpus, tmp_path):
     json.dump({**cfg, "head_dim": 8}, open(os.path.join(out, "config.json"), "w"))
     with pytest.raises(ValueError, match="has shape"):
         checkpoint.load(out)
+    json.dump({k: v for k, v in cfg.items() if k != "k"}, open(os.path.join(out, "config.json"), "w"))
+    with pytest.raises(ValueError, match="lacks 'k'"):  # our format writes every field: none defaults
+        checkpoint.load(out)
 
 
 def test_ddp_two_processes_on_cpu(corpus, tmp_path):
@@ -89,3 +92,99 @@ def test_ddp_two_processes_on_cpu(corpus, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "x 4 x 64 tokens" in r.stdout  # 2 processes x batch 2
     assert json.load(open(os.path.join(out, "train_state.json")))["step"] == 3
+
+
+def test_defaults_resolve_in_the_repository_and_never_overwrite(corpus, tmp_path, monkeypatch):
+    """Run from another directory, train.py writes its checkpoint and data cache under the
+    repository's out/ and data/ (here a stand-in root), never into the working directory, and refuses
+    to write into an existing checkpoint (the embedded model included) without --resume or --force."""
+    root, cwd = tmp_path / "repo", tmp_path / "elsewhere"
+    cwd.mkdir()
+    monkeypatch.setattr(checkpoint, "ROOT", str(root))
+    monkeypatch.chdir(cwd)
+    kw = dict(data=corpus, steps=2, eval_every=2, **run, **small)
+    train.main(**kw)
+    assert checkpoint.is_checkpoint(str(root / "out" / "tiny-nosa")) and (root / "data").is_dir()
+    assert not list(cwd.iterdir())
+    with pytest.raises(FileExistsError, match="already holds a checkpoint: --resume continues it, --force"):
+        train.main(**kw)
+    with pytest.raises(FileExistsError, match="already holds a checkpoint"):
+        train.main(out=checkpoint.DEFAULT_CHECKPOINT, **kw)
+    train.main(force=True, **kw)
+    capsys_free = train.main(resume=True, **kw)  # the run is complete: nothing to do, and it says so
+    assert capsys_free[1] == json.load(open(root / "out" / "tiny-nosa" / "train_state.json"))["val_loss"]
+
+
+KILLER = """
+import os, signal, sys
+sys.path.insert(0, {root!r})
+import checkpoint, train
+saves, real_save_file, real_rename = 0, checkpoint.save_file, os.rename
+
+def save_file(*a, **kw):  # count saves; die right after writing the weights of the second one
+    global saves
+    saves += 1
+    real_save_file(*a, **kw)
+    if saves == 2 and {where!r} == "weights":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+def rename(src, dst):  # or die between the two renames that put the second one in place
+    real_rename(src, dst)
+    if saves == 2 and {where!r} == "swap":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+checkpoint.save_file, os.rename = save_file, rename
+train.main(**{kw!r})
+"""
+
+
+@pytest.mark.parametrize("where", ["weights", "swap"])
+def test_a_kill_during_a_save_leaves_a_whole_checkpoint(corpus, tmp_path, where):
+    """SIGKILL in the middle of the second save (step 8 of 8, checkpoints every 4): what is on disk
+    is the whole step-4 checkpoint, and resuming from it reproduces the uninterrupted run exactly."""
+    kw = dict(data=corpus, data_dir=str(tmp_path / "data"), steps=8, eval_every=4, **run, **small)
+    ref, _ = train.main(out=str(tmp_path / "ref"), **kw)
+    out = str(tmp_path / "killed")
+    r = subprocess.run([sys.executable, "-c", KILLER.format(root=ROOT, where=where, kw={**kw, "out": out})],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == -9, r.stderr[-2000:]
+    model, _ = checkpoint.load(out)
+    assert json.load(open(os.path.join(out, "train_state.json")))["step"] == 4
+    at4, _ = train.main(out=str(tmp_path / "at4"), stop_at=4, **kw)
+    for (n, a), (_, b) in zip(at4.state_dict().items(), model.state_dict().items()):
+        assert torch.equal(a, b), n  # the weights are step 4's, like the state beside them
+    resumed, _ = train.main(out=out, resume=True, **kw)
+    for (n, a), (_, b) in zip(ref.state_dict().items(), resumed.state_dict().items()):
+        assert torch.equal(a, b), n
+
+
+def test_data_that_is_not_text_is_refused(tmp_path, corpus):
+    d = tmp_path / "binary"
+    d.mkdir()
+    for i in range(3):
+        (d / f"blob{i}.bin").write_bytes(os.urandom(20000))
+    with pytest.raises(ValueError, match="mostly not UTF-8 text"):
+        train.main(out=str(tmp_path / "ck"), data=str(d), data_dir=str(tmp_path / "data"), **run, **small)
+    (d / "notes.txt").write_text(open(os.path.join(corpus, "argparse.py")).read())  # mostly text now: it trains
+    train.main(out=str(tmp_path / "ck"), data=str(d), data_dir=str(tmp_path / "data"), steps=1, **run, **small)
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--set", "attn=full"], "has its own flag, --attn"),
+    (["--set", "k"], "write FIELD=VALUE"),
+    (["--set", "k=abc"], "k takes an integer"),
+    (["--set", "nope=1"], "unknown config field"),
+    (["--set", "k=3"], "invalid NOSA config"),
+    (["--resume", "--out", "/nonexistent/run"], "--resume: no checkpoint in '/nonexistent/run'"),
+    (["--eval-every", "0"], "--eval-every 0: must be at least 1"),
+    (["--batch-size", "0"], "--batch-size 0"),
+    (["--seq-len", "0"], "--seq-len 0"),
+    (["--steps", "0"], "--steps 0"),
+    (["--lr", "-1"], "--lr -1.0: must be positive"),
+    (["--out", checkpoint.DEFAULT_CHECKPOINT], "already holds a checkpoint"),
+] + ([(["--device", "cuda"], "sees no CUDA device")] if not torch.cuda.is_available() else []))
+def test_train_flags_fail_in_one_line(argv, msg, capsys):
+    with pytest.raises(SystemExit) as e:
+        train.cli(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ") and msg in err, err
