@@ -42,12 +42,29 @@ class RMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
-def apply_rope(x, pos, theta):
+def rope_frequencies(cfg, device):
+    """RoPE's inverse frequencies (d/2,), with the long-context scaling of Llama checkpoints:
+      linear  every frequency divided by `factor` (positions stretched);
+      llama3  wavelengths longer than original_max_position_embeddings / low_freq_factor divided by
+              `factor`, shorter than .../high_freq_factor kept, and a smooth blend in between."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float64) / d)
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv_freq
+    if rs["rope_type"] == "linear":
+        return inv_freq / rs["factor"]
+    factor, lo, hi, old = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"], rs["original_max_position_embeddings"]
+    wavelen = 2 * torch.pi / inv_freq
+    smooth = ((old / wavelen - lo) / (hi - lo)).clamp(0, 1)  # 0: long wavelengths, 1: short ones
+    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+
+
+def apply_rope(x, pos, inv_freq):
     """Rotary embedding in the Hugging Face (rotate-half) layout. x (Bz, H, T, d), pos (Bz, T)."""
     d = x.shape[-1]
-    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=pooling.fp32(x).dtype) / d)  # (d/2,)
-    ang = pos[:, None, :, None].to(inv_freq.dtype) * inv_freq  # (Bz, 1, T, d/2)
-    cos, sin = ang.cos().repeat(1, 1, 1, 2), ang.sin().repeat(1, 1, 1, 2)  # (Bz, 1, T, d)
+    ang = pos[:, None, :, None].to(torch.float64) * inv_freq  # (Bz, 1, T, d/2), in fp64: positions reach 1e5+
+    cos, sin = (f(ang).to(pooling.fp32(x).dtype).repeat(1, 1, 1, 2) for f in (torch.cos, torch.sin))  # (Bz, 1, T, d)
     xf = pooling.fp32(x)
     rot = torch.cat((-xf[..., d // 2:], xf[..., : d // 2]), dim=-1)
     return (xf * cos + rot * sin).to(x.dtype)
@@ -72,7 +89,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(Bz, T, cfg.H_q, cfg.head_dim).transpose(1, 2)  # (Bz, H_q, T, d)
         k = self.k_proj(x).view(Bz, T, cfg.H_kv, cfg.head_dim).transpose(1, 2)  # (Bz, H_kv, T, d)
         v = self.v_proj(x).view(Bz, T, cfg.H_kv, cfg.head_dim).transpose(1, 2)  # (Bz, H_kv, T, d)
-        q, k = apply_rope(q, pos, cfg.rope_theta), apply_rope(k, pos, cfg.rope_theta)
+        inv_freq = rope_frequencies(cfg, x.device)
+        q, k = apply_rope(q, pos, inv_freq), apply_rope(k, pos, inv_freq)
         c = eviction.eviction_score(v, self.A, self.delta.weight) if hasattr(self, "A") else None  # (Bz, H_kv, T)
         return q, k, v, c
 

@@ -63,6 +63,7 @@ class Config:
     hidden_dim: int = 704  # SwiGLU width
     max_seq_len: int = 4096  # longest sequence (prompt + generation) the model accepts
     rope_theta: float = 10000.0
+    rope_scaling: dict = None  # None, or Llama's long-context RoPE: {"rope_type": "linear" | "llama3", ...}
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     # NOSA
@@ -97,6 +98,8 @@ class Config:
               f"k_e = k - k_q = {self.k_e} must hold the n_sink + n_win = {self.n_sink + self.n_win} sink and "
               f"window blocks; raise k or lower k_q, n_win, n_sink")
         check(self.max_seq_len >= self.B, "max_seq_len must hold at least one block")
+        check(self.rope_scaling is None or self.rope_scaling.get("rope_type") in ("linear", "llama3"),
+              f"rope_scaling={self.rope_scaling!r}: None, or a linear or llama3 scaling")
 
     @property
     def k_e(self):  # query-agnostic budget: sinks, window before the own block, core

@@ -87,7 +87,11 @@ def test_hf_checkpoint_generates_same_logits_as_direct_model(tmp_path):
     ("missing", dict(drop="model.layers.1.self_attn.A"), "missing tensor layers.1.self_attn.A"),
     ("unexpected", dict(add="model.layers.0.self_attn.rotary_emb.inv_freq"), "unexpected tensor layers.0.self_attn.rotary_emb"),
     ("shape", dict(reshape="model.norm.weight"), r"norm.weight has shape \(5, 5\)"),
-    ("rope", dict(hf_config={**HF_CONFIG, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}), "rope_scaling"),
+    ("rope", dict(hf_config={**HF_CONFIG, "rope_scaling": {"rope_type": "yarn", "factor": 8.0}}), "rope_type='yarn'"),
+    ("rope_new", dict(hf_config={**HF_CONFIG, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}), "'dynamic'"),
+    ("llama3_lacks", dict(hf_config={**HF_CONFIG, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}),
+     "lacks low_freq_factor"),
+    ("bias", dict(hf_config={**HF_CONFIG, "attention_bias": True}), "attention_bias=True"),
 ])
 def test_bad_hf_checkpoints_are_named(tmp_path, kind, kw, msg):
     path = str(tmp_path / kind)
@@ -101,3 +105,72 @@ def test_nosa_checkpoint_decodes_training_free_in_other_modes(tmp_path):
     write_hf_checkpoint(path)
     model, _ = checkpoint.load(path, **{**SMALL_NOSA, "attn": "infllmv2"})
     assert model.cfg.attn == "infllmv2" and not hasattr(model.layers[0].self_attn, "A")
+
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 256}
+
+
+def test_hf_rope_layouts():
+    """The RoPE base and scaling at the top level (older tools) or in rope_parameters (current ones)."""
+    base = {k: v for k, v in HF_CONFIG.items() if k not in ("rope_theta", "rope_scaling")}
+    new = checkpoint.config_from_hf({**base, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}})
+    old = checkpoint.config_from_hf({**base, "rope_theta": 500000.0})
+    assert new.rope_theta == old.rope_theta == 500000.0 and new.rope_scaling is old.rope_scaling is None
+    scaled = checkpoint.config_from_hf({**base, "rope_parameters": {"rope_theta": 5e5, **LLAMA3}})
+    assert scaled.rope_scaling == {**LLAMA3, "original_max_position_embeddings": 256.0} and scaled.rope_theta == 5e5
+    assert checkpoint.config_from_hf({**base, "rope_scaling": LLAMA3}).rope_scaling == scaled.rope_scaling
+    assert checkpoint.config_from_hf(base).rope_theta == 10000.0  # Hugging Face's default
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 4.0}, LLAMA3,
+                                     {**LLAMA3, "factor": 32.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0}])
+def test_scaled_rope_against_its_formula(scaling):
+    """Each frequency and the rotation of random q at random positions against the formulas, written
+    out one frequency at a time."""
+    import math
+    from model import apply_rope, rope_frequencies
+    from nosa import Config
+    cfg = Config.from_preset("tiny", head_dim=64, rope_theta=5e5, rope_scaling=scaling)
+    got = rope_frequencies(cfg, "cpu")
+    for i, f in enumerate(got.tolist()):
+        base = 1.0 / 5e5 ** (2 * i / 64)
+        if scaling is None:
+            want = base
+        elif scaling["rope_type"] == "linear":
+            want = base / scaling["factor"]
+        else:
+            wavelen = 2 * math.pi / base
+            old, lo, hi = scaling["original_max_position_embeddings"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+            if wavelen < old / hi:
+                want = base
+            elif wavelen > old / lo:
+                want = base / scaling["factor"]
+            else:
+                s = (old / wavelen - lo) / (hi - lo)
+                want = (1 - s) * base / scaling["factor"] + s * base
+        assert math.isclose(f, want, rel_tol=1e-12), (i, f, want)
+    if scaling is not None:
+        assert not torch.allclose(got, rope_frequencies(Config.from_preset("tiny", head_dim=64, rope_theta=5e5), "cpu"))
+    x, pos = torch.randn(2, 3, 5, 64, dtype=torch.float64), torch.randint(0, 100000, (2, 5))
+    y = apply_rope(x, pos, got)
+    for b, h, t in ((0, 0, 0), (1, 2, 4), (1, 1, 2)):
+        for i in (0, 7, 31):
+            a = pos[b, t].item() * got[i].item()
+            x1, x2 = x[b, h, t, i].item(), x[b, h, t, i + 32].item()
+            assert math.isclose(y[b, h, t, i].item(), x1 * math.cos(a) - x2 * math.sin(a), abs_tol=1e-9)
+            assert math.isclose(y[b, h, t, i + 32].item(), x2 * math.cos(a) + x1 * math.sin(a), abs_tol=1e-9)
+
+
+def test_hf_checkpoint_with_llama3_rope_decodes_like_its_parallel_forward(tmp_path):
+    path = str(tmp_path / "llama3")
+    write_hf_checkpoint(path, hf_config={**HF_CONFIG, "rope_scaling": None, "rope_parameters": {"rope_theta": 5e5, **LLAMA3}})
+    model, _ = checkpoint.load(path, dtype=torch.float64, **SMALL_NOSA)
+    assert model.cfg.rope_scaling["rope_type"] == "llama3"
+    idx = torch.randint(0, 300, (1, 150))
+    with torch.no_grad():
+        ref = model(idx)
+        cache = KVCache(model.cfg, 1, "cpu", torch.float64)
+        model(idx[:, :100], cache, seq=0)
+        dec = torch.stack([model.decode(idx[:, t], cache)[0] for t in range(100, 150)])
+    torch.testing.assert_close(dec[:-1], ref[0, 100:149], rtol=0, atol=1e-9)
