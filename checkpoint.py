@@ -23,6 +23,7 @@ from model import Transformer
 from nosa import Config
 
 ROOT = os.path.dirname(os.path.abspath(__file__))  # defaults resolve here, whatever the working directory
+EOT = "<|endoftext|>"  # the document separator of train.py's token streams: this format's end of sequence
 ADDED_LATER = {"rope_scaling"}  # Config fields older checkpoints lack; their absence means what they meant then
 DEFAULT_CHECKPOINT = os.path.join(ROOT, "checkpoints", "tiny-nosa")  # the embedded model; train.py never writes it
 
@@ -192,12 +193,32 @@ def load(path, device="cpu", dtype=None, **overrides):
         tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
     except Exception as e:  # tokenizers raises plain Exception on a bad file
         raise ValueError(f"{os.path.join(path, 'tokenizer.json')} is not a valid tokenizer ({e})") from None
-    model.chat_template = None  # Hugging Face chat template, where the checkpoint has one
-    tok_cfg = os.path.join(path, "tokenizer_config.json")
-    if os.path.isfile(tok_cfg):
-        with open(tok_cfg) as f:
-            model.chat_template = json.load(f).get("chat_template")
+    # end-of-sequence ids (config.json, generation_config.json: one id or a list), the chat template and
+    # the special tokens it refers to (tokenizer_config.json), where the checkpoint has them
+    model.eos_ids = set()
+    for cfg_file in ("config.json", "generation_config.json"):
+        extra = read_json(path, cfg_file)
+        ids = extra.get("eos_token_id")
+        model.eos_ids |= set(ids if isinstance(ids, list) else [] if ids is None else [ids])
+    if "hidden_size" not in raw and tokenizer.token_to_id(EOT) is not None:
+        model.eos_ids.add(tokenizer.token_to_id(EOT))
+    tok_cfg = read_json(path, "tokenizer_config.json")
+    model.chat_template = tok_cfg.get("chat_template")
+    model.special_tokens = {k: v["content"] if isinstance(v, dict) else v for k, v in tok_cfg.items()
+                            if k in ("bos_token", "eos_token") and v}
     return model.eval(), tokenizer
+
+
+def read_json(path, name):
+    """A JSON file of a checkpoint as a dict ({} if absent)."""
+    f = os.path.join(path, name)
+    if not os.path.isfile(f):
+        return {}
+    try:
+        with open(f, encoding="utf-8") as fh:
+            return json.load(fh)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{f} is not valid JSON ({e})") from None
 
 
 # -----------------------------------------------------------------------------

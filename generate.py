@@ -5,8 +5,9 @@ Generate text with a NOSA model.
     python generate.py --offload             # the same, KV cache in host memory (NOSI)
     python generate.py --checkpoint DIR --prompt "def main(" --batch 4 --max-new-tokens 200
 
-Prints the text, then greppable lines: tokens/sec, and with --offload the cache hit rate and the
-bytes moved per step.
+Prints the text (a single prompt's as it is generated), then greppable lines: tokens/sec, and with
+--offload the cache hit rate and the bytes moved per step. Sequences end at the checkpoint's
+end-of-sequence token, or after --max-new-tokens.
 """
 import argparse
 import os
@@ -67,7 +68,10 @@ class Store:
 
 
 def main(checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, prompt=DEFAULT_PROMPT, max_new_tokens=300, batch=1,
-         temperature=0.8, top_k=50, offload=False, device=None, seed=1337, quiet=False, attn=None):
+         temperature=0.8, top_k=50, offload=False, device=None, seed=1337, quiet=False, attn=None, chat=False):
+    """Generate from one prompt or several (a ragged batch); returns the new tokens of each sequence.
+    A single prompt's text is streamed as it is generated (unless quiet); every sequence stops at
+    the checkpoint's end-of-sequence token. chat: wrap each prompt in the checkpoint's chat template."""
     for name, value, least in (("--batch", batch, 1), ("--max-new-tokens", max_new_tokens, 1), ("--top-k", top_k, 0),
                                ("--temperature", temperature, 0)):
         if value < least:
@@ -86,7 +90,11 @@ def main(checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, prompt=DEFAULT_PROMPT, ma
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)  # several prompts: a ragged batch
     prompts = [prompts[i % len(prompts)] for i in range(max(batch, len(prompts)))]
     batch = len(prompts)
-    ids = [tokenizer.encode(p).ids for p in prompts]
+    if chat:
+        if not getattr(model, "chat_template", None):
+            raise ValueError(f"--chat: {checkpoint_dir} has no chat template (tokenizer_config.json); drop --chat")
+        prompts = [chat_prompt(model.chat_template, p, model.special_tokens) for p in prompts]
+    ids = [tokenizer.encode(p, add_special_tokens=not chat).ids for p in prompts]  # the template has them
     if not all(ids):
         raise ValueError("a prompt is empty after tokenisation; give some text with --prompt")
     model.check_length(max(map(len, ids)), max_new_tokens)  # before any cache is allocated
@@ -103,21 +111,61 @@ def main(checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, prompt=DEFAULT_PROMPT, ma
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # give the warm-up cache back before the budget check of the real one
     cache = new_cache()
+    stream = Stream(tokenizer, model.eos_ids) if batch == 1 and not quiet else None
+    if stream:
+        print(prompts[0], end="", flush=True)
     t0 = time.perf_counter()
-    out = model.generate(ids, max_new_tokens, temperature, top_k, cache=cache)
+    out = model.generate(ids, max_new_tokens, temperature, top_k, cache=cache, eos_ids=model.eos_ids, on_token=stream)
     if device.type == "cuda":
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
-    if not quiet:
+    if stream:
+        print("\n---")
+    elif not quiet:
         for i, seq in enumerate(out):
             print(f"--- sample {i} ---\n{prompts[i]}{tokenizer.decode(seq)}")
         print("---")
-    n_tok = batch * max_new_tokens
+    n_tok = sum(map(len, out))
     print(f"tokens/sec: {n_tok / dt:.1f} ({n_tok} tokens in {dt:.2f} s, batch {batch}, prompts of {min(map(len, ids))}-{max(map(len, ids))} tokens, "
           f"{model.cfg.attn}, {device})")
     if cache is not None:
         print(cache.stats.summary())
     return out
+
+
+class Stream:
+    """Prints the text of a single sequence as its tokens arrive: the decoded text grows by whole
+    characters (a byte-level token may end inside one), and stops at the end of the sequence."""
+
+    def __init__(self, tokenizer, eos_ids):
+        self.tokenizer, self.eos_ids, self.ids, self.shown, self.ended = tokenizer, eos_ids, [], 0, False
+
+    def __call__(self, tok):
+        if self.ended:
+            return
+        self.ids.append(int(tok[0]))
+        self.ended = self.ids[-1] in self.eos_ids
+        text = self.tokenizer.decode(self.ids)
+        if not text.endswith("\ufffd") or self.ended:
+            print(text[self.shown:], end="", flush=True)
+            self.shown = len(text)
+
+
+def chat_prompt(template, text, special_tokens):
+    """A user message in the checkpoint's (Jinja) chat template, ready for the assistant's answer."""
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(msg):
+        raise TemplateError(msg)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(template).render(messages=[{"role": "user", "content": text}],
+                                                add_generation_prompt=True, **special_tokens)
+    except TemplateError as e:
+        raise ValueError(f"--chat: the checkpoint's chat template fails ({e})") from None
 
 
 def read_prompt(path):
@@ -144,6 +192,7 @@ def cli(argv=None):
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--quiet", action="store_true", help="print only the statistics, not the text")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
     p.add_argument("--attn", choices=nosa.MODES,
                    help="override the checkpoint's attention mode (e.g. infllmv2: training-free sparse decoding)")
     a = p.parse_args(argv)
@@ -153,7 +202,7 @@ def cli(argv=None):
             torch.set_num_threads(1)  # thread is as fast as two, and does not collapse when the cores are busy
         prompt = (a.prompt or []) + [read_prompt(f) for f in a.prompt_file or []] or DEFAULT_PROMPT
         return main(a.checkpoint, prompt, a.max_new_tokens, a.batch, a.temperature, a.top_k, a.offload, a.device,
-                    a.seed, a.quiet, a.attn)
+                    a.seed, a.quiet, a.attn, a.chat)
 
     return checkpoint.run_cli(run)
 

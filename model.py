@@ -188,8 +188,11 @@ class Transformer(nn.Module):
                              f"{self.cfg.max_seq_len}; shorten the prompt or generate fewer tokens")
 
     @torch.no_grad()
-    def generate(self, prompts, max_new_tokens, temperature=0.0, top_k=None, cache=None):
-        """Prompts: list of token lists (lengths may differ). Returns the new tokens of each."""
+    def generate(self, prompts, max_new_tokens, temperature=0.0, top_k=None, cache=None, eos_ids=(), on_token=None):
+        """Prompts: list of token lists (lengths may differ). Returns the new tokens of each. A sequence
+        ends at its first token in eos_ids (kept in its output); from then on it costs no transfers
+        (cache.finish), and the loop stops once every sequence has ended. on_token(tok) receives the
+        new tokens (Bz,) of every step, for streaming."""
         if not prompts or max_new_tokens < 1:
             raise ValueError("give at least one prompt and max_new_tokens >= 1")
         self.check_length(max(len(p) for p in prompts), max_new_tokens)
@@ -198,16 +201,26 @@ class Transformer(nn.Module):
         dev = self.embed_tokens.weight.device
         max_len = max(len(p) for p in prompts) + max_new_tokens
         cache = cache or KVCache(self.cfg, len(prompts), dev, self.embed_tokens.weight.dtype, max_len)
+        eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=dev)
         tok = torch.empty(len(prompts), dtype=torch.long, device=dev)
         for i, p in enumerate(prompts):  # prefill one sequence at a time: lengths may differ
             logits = self(torch.tensor([p], device=dev), cache, seq=i)
             tok[i] = sample(logits[:, -1], temperature, top_k)[0]
-        out = [tok.clone()]
+        out, done = [tok.clone()], torch.isin(tok, eos)  # (Bz,) ended
+        on_token = on_token or (lambda tok: None)
+        on_token(tok)
         decode = GraphedDecode(self, cache)
-        for _ in range(max_new_tokens - 1):
+        for step in range(max_new_tokens - 1):
+            if eos.numel() and step % 8 == 0 and bool(done.all()):  # a host sync, so only every few steps
+                break
+            cache.finish(done)
             tok = sample(decode(tok), temperature, top_k)
             out.append(tok)
-        return torch.stack(out, 1).tolist()
+            on_token(tok)
+            done |= torch.isin(tok, eos)
+        rows = torch.stack(out, 1).tolist()
+        eos = set(eos_ids)
+        return [r[:next((i + 1 for i, t in enumerate(r) if t in eos), len(r))] for r in rows]
 
 
 class GraphedDecode:
@@ -351,6 +364,9 @@ class KVCache:
 
     def advance_host(self):  # the host-side part of advance, which a CUDA graph replay does not run
         self.len_cpu += 1
+
+    def finish(self, done):  # sequences that ended (Bz,): nothing to save on a resident cache
+        pass
 
     def capacity(self):
         """Positions below which a decode step keeps its shapes (GraphedDecode); 0: they change every step."""

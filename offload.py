@@ -247,6 +247,7 @@ class OffloadCache:
         self.block_slot = [torch.full((R, cap), -1, dtype=torch.long, device=device) for _ in range(L)]
         self.fetch = [torch.full((R, k), -1, dtype=torch.long, device=device) for _ in range(L)]
         self.fresh = [torch.zeros(R, dtype=torch.bool, device=device) for _ in range(L)]  # prefilled, not decoded
+        self.active = torch.ones(Bz, dtype=torch.bool, device=device)  # sequences that have not ended
         cdt = torch.promote_types(dtype, torch.float32)
         self.c = [torch.zeros(Bz, H, max_len, dtype=cdt, device=device) for _ in range(L)]
         self.sub = SubBlockCache(cfg, Bz, device, dtype, max_len)
@@ -298,6 +299,10 @@ class OffloadCache:
         self.len_cpu += 1
         self.stats.steps += 1
 
+    def finish(self, done):
+        """done (Bz,): sequences that ended. Their rows stop selecting blocks, so they move nothing."""
+        self.active.copy_(~done)
+
     def capacity(self):  # positions below which a decode step keeps its shapes (model.GraphedDecode)
         return self.max_len
 
@@ -328,7 +333,8 @@ class OffloadCache:
         sel = block_mask.reshape(R, -1)  # (R, nb)
         nb = sel.shape[1]
         b = torch.arange(nb, device=self.device)
-        need = sel & (b != q_blk[:, None])  # the tail is always on the device
+        active = self.active.repeat_interleave(cfg.H_kv)[:, None]  # (R, 1) ended sequences need nothing
+        need = sel & (b != q_blk[:, None]) & active  # the tail is always on the device
         # ascending block ids of the needed blocks, -1 padded: at most k - 1 of them
         need_ids = torch.where(need, b, nb).sort(1).values[:, :k]
         need_ids = torch.where(need_ids < nb, need_ids, -1).contiguous()

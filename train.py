@@ -30,7 +30,7 @@ import nosa
 from model import Transformer
 from nosa import Config
 
-EOT = "<|endoftext|>"
+EOT = checkpoint.EOT
 
 
 # -----------------------------------------------------------------------------

@@ -174,3 +174,13 @@ def test_hf_checkpoint_with_llama3_rope_decodes_like_its_parallel_forward(tmp_pa
         model(idx[:, :100], cache, seq=0)
         dec = torch.stack([model.decode(idx[:, t], cache)[0] for t in range(100, 150)])
     torch.testing.assert_close(dec[:-1], ref[0, 100:149], rtol=0, atol=1e-9)
+
+
+def test_hf_end_of_sequence_ids(tmp_path):
+    """eos_token_id from config.json and generation_config.json, one id or a list, all of them."""
+    path = str(tmp_path / "eos")
+    write_hf_checkpoint(path, hf_config={**HF_CONFIG, "eos_token_id": 2})
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [3, 7]}, f)
+    model, _ = checkpoint.load(path, **SMALL_NOSA)
+    assert model.eos_ids == {2, 3, 7}

@@ -67,3 +67,19 @@ def test_generate_flags_fail_in_one_line(argv, msg, capsys, tmp_path):
         generate.cli([str(binary) if a == "BINARY" else a for a in argv])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ") and msg in err, err
+
+
+def test_chat_prompt_uses_the_template():
+    template = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    assert generate.chat_prompt(template, "hi", {"bos_token": "<s>"}) == "<s><|user|>hi<|end|><|assistant|>"
+    with pytest.raises(ValueError, match="chat template fails"):
+        generate.chat_prompt("{{ raise_exception('only system roles') }}", "hi", {})
+
+
+def test_single_prompt_streams_its_text(capsys):
+    out = generate.main(prompt="def parse(", max_new_tokens=30, temperature=0.0, device="cpu")
+    printed = capsys.readouterr().out
+    model, tok = checkpoint.load(checkpoint.DEFAULT_CHECKPOINT, dtype=torch.float32)
+    assert printed.startswith("def parse(" + tok.decode(out[0]) + "\n---\n")
+    assert model.eos_ids == {tok.token_to_id(checkpoint.EOT)}  # this format ends where a document ends

@@ -188,3 +188,30 @@ def test_graphed_decode_equals_eager(offloaded):
         assert torch.equal(eager_cache.stats.moved, graph_cache.stats.moved) and eager_cache.stats.moved.sum() > 0
         assert eager_cache.stats.steps == graph_cache.stats.steps
         assert all(torch.equal(a, b) for a, b in zip(eager_cache.slot_block, graph_cache.slot_block))
+
+
+class CountingCache(OffloadCache):
+    """Records, per step, the blocks each row gathered."""
+
+    def attend(self, layer, q, block_mask):
+        o = super().attend(layer, q, block_mask)
+        self.log.append((self.len_cpu.clone(), (self.fetch[layer] >= 0).sum(1).cpu()))
+        return o
+
+
+def test_a_sequence_stops_at_its_end_token_while_another_continues():
+    """Row 0 ends at an end-of-sequence token; row 1 goes on with exactly the tokens it produces
+    alone, and row 0 gathers nothing once it has ended."""
+    model = make_model("nosa", torch.float32).to(DEV)
+    prompts = [list(range(1, 90)), [5, 6, 7] * 30]
+    free = model.generate(prompts, 120)  # greedy, no end token
+    eos = next(t for t in free[0][10:] if t not in free[1])  # a token row 0 makes and row 1 never does
+    end = free[0].index(eos) + 1
+    cache = CountingCache(model.cfg, 2, DEV, torch.float32, max_len=90 + 120)
+    cache.log = []
+    out = model.generate(prompts, 120, cache=cache, eos_ids={eos})
+    assert out[0] == free[0][:end] and out[1] == free[1]
+    ended_at = len(prompts[0]) + end  # row 0's position when its first step after the end token runs
+    after = [moved[:model.cfg.H_kv] for pos, moved in cache.log if pos[0] >= ended_at]
+    assert after and all(int(m.sum()) == 0 for m in after)
+    assert sum(int(moved[model.cfg.H_kv:].sum()) for _, moved in cache.log) > 0  # row 1 kept moving blocks
