@@ -215,3 +215,64 @@ def test_a_sequence_stops_at_its_end_token_while_another_continues():
     after = [moved[:model.cfg.H_kv] for pos, moved in cache.log if pos[0] >= ended_at]
     assert after and all(int(m.sum()) == 0 for m in after)
     assert sum(int(moved[model.cfg.H_kv:].sum()) for _, moved in cache.log) > 0  # row 1 kept moving blocks
+
+
+def test_triton_transfer_kernels_match_twins():
+    """The no-nvcc path: Triton gather and tail flush against their twins (interpreter on CPU)."""
+    R, k, cap, U, H_kv, B = 6, 5, 12, (2, 4, 8), 2, 4
+    host = torch.randn(R, cap, *U, dtype=torch.float64)
+    pool = torch.randn(R, k + 1, *U, dtype=torch.float64)
+    slot_block = torch.full((R, k), -1, dtype=torch.long)
+    for r in range(R):
+        n = r % k  # rows with 0 .. k-1 resident blocks: a free slot in each
+        slot_block[r, torch.randperm(k)[:n]] = torch.randperm(cap)[:n]
+    block_slot = torch.full((R, cap), -1, dtype=torch.long)
+    for r in range(R):
+        for s, b in enumerate(slot_block[r].tolist()):
+            if b >= 0:
+                block_slot[r, b] = s
+    fetch = torch.where(torch.rand(R, k) < 0.5, torch.randint(0, cap, (R, k)), -1)
+    pos = torch.tensor([2 * B - 1, 5, 3 * B - 1])  # sequences 0 and 2 have a full tail
+    a = [t.clone() for t in (host, pool, slot_block, block_slot)]
+    b = [t.clone() for t in (host, pool, slot_block, block_slot)]
+    offload.gather_units_torch(a[0], a[1], fetch)
+    offload.gather_units_triton(b[0], b[1], fetch)
+    offload.flush_tails_torch(*a, pos, H_kv, B)
+    offload.flush_tails_triton(*b, pos, H_kv, B)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    assert not torch.equal(a[0], host) and not torch.equal(a[1], pool)  # both moved something
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the no-nvcc path on a GPU")
+@pytest.mark.parametrize("graphed", [False, True])
+def test_offload_without_the_cuda_extension_on_a_gpu(graphed, monkeypatch):
+    """A GPU machine without nvcc: the Triton transfer kernels and the sync-free set difference,
+    eager and as a CUDA graph, decode exactly like the resident cache."""
+    monkeypatch.setattr(offload, "_ext", False)  # as if uva_copy.cu had failed to build
+    model = make_model("nosa", torch.float32, B=16, l_c=8, s_c=4).to(DEV)
+    cfg = model.cfg
+    prompt_lens = [5, 37, 70]
+    T = max(prompt_lens) + 3 * cfg.k * cfg.B
+    idx = torch.randint(0, cfg.vocab_size, (3, T), device=DEV)
+    cache = OffloadCache(cfg, 3, DEV, torch.float32, max_len=T)
+    assert cache.host[0].is_pinned()
+    off = decode_logits(model, idx, prompt_lens, cache, graphed=graphed)
+    res = decode_logits(model, idx, prompt_lens, KVCache(cfg, 3, DEV, torch.float32, T))
+    for a, b in zip(off, res):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+    assert cache.stats.moved.sum() > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the no-nvcc path on a GPU")
+def test_generate_offload_with_no_cuda_toolkit(tmp_path):
+    """CUDA_HOME pointing nowhere and an empty extension cache: the build fails with one warning and
+    generate.py --offload still runs, graphed, on the Triton kernels."""
+    import subprocess, sys, os
+    env = {**os.environ, "CUDA_HOME": str(tmp_path / "no-cuda"), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"),
+           "PATH": "/usr/bin:/bin"}
+    r = subprocess.run([sys.executable, "generate.py", "--offload", "--max-new-tokens", "40", "--quiet"],
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "did not build" in r.stderr and "hit rate" in r.stdout
