@@ -63,13 +63,17 @@ def bench_gather(store_gib=4.0, moved_mib=64, k=64):
         def uva():
             offload.gather_units(host, pool, fetches[next(it) % 4])
 
-        # correctness first: kernel == twin on one fetch list
-        check = torch.empty_like(pool)
-        offload.gather_units(host, check, fetches[0])
-        torch.cuda.synchronize()
-        r, s = R - 1, k // 2
-        assert torch.equal(check[r, s].cpu().view(torch.int16), host[r, fetches[0][r, s].item()].view(torch.int16)), \
-            "UVA gather is wrong"
+        def uva_triton():
+            offload.gather_units_triton(host, pool, fetches[next(it) % 4])
+
+        # correctness first: both kernels == the host store on one fetch list
+        for kernel in (offload.gather_units, offload.gather_units_triton):
+            check = torch.empty_like(pool)
+            kernel(host, check, fetches[0])
+            torch.cuda.synchronize()
+            for r, s in ((R - 1, k // 2), (0, 0)):
+                assert torch.equal(check[r, s].cpu().view(torch.int16),
+                                   host[r, fetches[0][r, s].item()].view(torch.int16)), f"{kernel.__name__} is wrong"
 
         fetch_cpu = [f.cpu() for f in fetches]
         flat = host.view(-1, U)
@@ -96,6 +100,7 @@ def bench_gather(store_gib=4.0, moved_mib=64, k=64):
         t_contig = wall(contiguous_copy)
         contiguous = nbytes / t_contig / 1e9
         for name, fn, reps in (("contiguous pinned copy", contiguous_copy, 20), ("UVA gather kernel", uva, 20),
+                               ("UVA gather, Triton (no nvcc)", uva_triton, 20),
                                ("index_select + copy", index_select_copy, 5), ("one memcpy per block", memcpy_per_block, 3)):
             t = t_contig if fn is contiguous_copy else wall(fn, reps=reps, warmup=1)
             gbs = nbytes / t / 1e9

@@ -144,7 +144,7 @@ def evaluate(model, val, batch_size, T, device, n_batches=8):
 
 def main(preset="tiny", attn="nosa", out=None, data=None, data_dir=None, steps=120, batch_size=4, seq_len=1024,
          lr=3e-3, warmup=20, weight_decay=0.1, grad_clip=1.0, eval_every=40, seed=1337, device=None, resume=False,
-         force=False, stop_at=None, save_bf16=False, log_every=10, **overrides):
+         force=False, stop_at=None, save_bf16=False, log_every=10, evict_lr_mult=1.0, **overrides):
     """Train; returns (model, last validation loss). `overrides` go to the Config (tests use tiny shapes).
     out defaults to out/{preset}-{attn} and data_dir to data/, both in the repository, whatever the
     working directory. An existing checkpoint in out is continued with resume, replaced with force,
@@ -198,11 +198,14 @@ def main(preset="tiny", attn="nosa", out=None, data=None, data_dir=None, steps=1
 
     torch.manual_seed(seed)
     model = Transformer(cfg).to(device)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95),
-                            fused=device.type == "cuda")
+    evict = {n for n, _ in model.named_parameters() if n.endswith((".self_attn.A", ".self_attn.delta.weight"))}
+    params = [(n, p) for n, p in model.named_parameters() if n not in evict]
+    groups = [dict(params=[p for _, p in params if p.dim() >= 2], weight_decay=weight_decay),
+              dict(params=[p for _, p in params if p.dim() < 2], weight_decay=0.0)]
+    if evict:  # the eviction head: A starts at 0 and W_δ gets gradient only through A, so it may learn faster
+        groups.append(dict(params=[p for n, p in model.named_parameters() if n in evict], weight_decay=0.0,
+                           lr_mult=evict_lr_mult))
+    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=device.type == "cuda")
     step = 0
     if resume:
         model_r, _ = checkpoint.load(out, device, dtype=torch.float32)
@@ -227,7 +230,7 @@ def main(preset="tiny", attn="nosa", out=None, data=None, data_dir=None, steps=1
     stop_at = min(stop_at or steps, steps)
     while step < stop_at:
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, steps, lr, warmup)
+            g["lr"] = lr_at(step, steps, lr, warmup) * g.get("lr_mult", 1.0)
         x, y = get_batch(train_data, batch_size, seq_len, seed, step, rank, device)
         with torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"):
             logits = model(x)
@@ -251,6 +254,9 @@ def main(preset="tiny", attn="nosa", out=None, data=None, data_dir=None, steps=1
                             train_state=dict(step=step, steps=steps, val_loss=val_loss, seed=seed, seq_len=seq_len,
                                              batch_size=batch_size * world, attn=attn, data=data or "stdlib"))
     if master and step == steps:
+        if evict:  # how far the eviction gates moved from their zero start
+            print("eviction gates A per layer:", " | ".join(" ".join(f"{a:+.2f}" for a in layer.self_attn.A.tolist())
+                                                           for layer in raw.layers))
         print(f"done: generate with `python generate.py --checkpoint {out}`")
     if ddp:
         dist.destroy_process_group()
@@ -296,13 +302,15 @@ def cli(argv=None):
     p.add_argument("--resume", action="store_true", help="continue the run saved in --out")
     p.add_argument("--force", action="store_true", help="replace a checkpoint already in --out")
     p.add_argument("--save-bf16", action="store_true", help="store weights in bf16 (half the size)")
+    p.add_argument("--evict-lr-mult", type=float, default=1.0,
+                   help="learning rate of the eviction head (A, W_δ) as a multiple of --lr")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a config field of the preset, e.g. --set k=32 --set n_layer=6")
     a = p.parse_args(argv)
     return checkpoint.run_cli(lambda: main(
         a.preset, a.attn, a.out, a.data, a.data_dir, a.steps, a.batch_size, a.seq_len, a.lr, a.warmup,
         eval_every=a.eval_every, seed=a.seed, device=a.device, resume=a.resume, force=a.force, stop_at=a.stop_at,
-        save_bf16=a.save_bf16, **parse_overrides(a.set)))
+        save_bf16=a.save_bf16, evict_lr_mult=a.evict_lr_mult, **parse_overrides(a.set)))
 
 
 if __name__ == "__main__":
