@@ -252,7 +252,8 @@ def main(preset="tiny", attn="nosa", out=None, data=None, data_dir=None, steps=1
             print(f"step {step} | val loss {val_loss:.3f}", flush=True)
             checkpoint.save(raw, tok, out, dtype=torch.bfloat16 if save_bf16 else None, optimizer=opt,
                             train_state=dict(step=step, steps=steps, val_loss=val_loss, seed=seed, seq_len=seq_len,
-                                             batch_size=batch_size * world, attn=attn, data=data or "stdlib"))
+                                             batch_size=batch_size * world, attn=attn, data=data or "stdlib",
+                                             evict_lr_mult=evict_lr_mult))
     if master and step == steps:
         if evict:  # how far the eviction gates moved from their zero start
             print("eviction gates A per layer:", " | ".join(" ".join(f"{a:+.2f}" for a in layer.self_attn.A.tolist())

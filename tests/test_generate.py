@@ -17,7 +17,7 @@ def test_embedded_model_knows_python():
         ids = torch.tensor([tok.encode(f.read()).ids[:1024]])
     with torch.no_grad():
         loss = torch.nn.functional.cross_entropy(model(ids[:, :-1])[0], ids[0, 1:])
-    assert loss < 4.0  # measured 3.50 (validation loss over held-out files: 2.53)
+    assert loss < 4.0  # measured 3.39 (validation loss over held-out files: 2.46)
 
 
 @pytest.mark.parametrize("offload", [False, True])

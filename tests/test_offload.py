@@ -19,6 +19,9 @@ class CheckedCache(OffloadCache):
 
     moves = []  # blocks gathered per (row, layer, step), rows past their first step after prefill
 
+    def capacity(self):  # no CUDA graph (model.GraphedDecode): the checks read the tables every step
+        return 0
+
     def attend(self, layer, q, block_mask):
         before, cold = self.slot_block[layer].clone(), self.fresh[layer].clone()
         o = super().attend(layer, q, block_mask)
@@ -191,7 +194,9 @@ def test_graphed_decode_equals_eager(offloaded):
 
 
 class CountingCache(OffloadCache):
-    """Records, per step, the blocks each row gathered."""
+    """Records, per step, the blocks each row gathered (eager steps: no CUDA graph)."""
+
+    capacity = CheckedCache.capacity
 
     def attend(self, layer, q, block_mask):
         o = super().attend(layer, q, block_mask)
@@ -222,6 +227,8 @@ def test_triton_transfer_kernels_match_twins():
     R, k, cap, U, H_kv, B = 6, 5, 12, (2, 4, 8), 2, 4
     host = torch.randn(R, cap, *U, dtype=torch.float64)
     pool = torch.randn(R, k + 1, *U, dtype=torch.float64)
+    if DEV == "cuda":  # compiled: the kernels reach the pinned host store through its device pointer
+        host, pool = host.pin_memory(), pool.to(DEV)
     slot_block = torch.full((R, k), -1, dtype=torch.long)
     for r in range(R):
         n = r % k  # rows with 0 .. k-1 resident blocks: a free slot in each
@@ -231,14 +238,17 @@ def test_triton_transfer_kernels_match_twins():
         for s, b in enumerate(slot_block[r].tolist()):
             if b >= 0:
                 block_slot[r, b] = s
-    fetch = torch.where(torch.rand(R, k) < 0.5, torch.randint(0, cap, (R, k)), -1)
-    pos = torch.tensor([2 * B - 1, 5, 3 * B - 1])  # sequences 0 and 2 have a full tail
+    fetch = torch.where(torch.rand(R, k) < 0.5, torch.randint(0, cap, (R, k)), -1).to(DEV)
+    pos = torch.tensor([2 * B - 1, 5, 3 * B - 1], device=DEV)  # sequences 0 and 2 have a full tail
+    slot_block, block_slot = slot_block.to(DEV), block_slot.to(DEV)
     a = [t.clone() for t in (host, pool, slot_block, block_slot)]
-    b = [t.clone() for t in (host, pool, slot_block, block_slot)]
+    b = [t.clone().pin_memory() if t.is_pinned() else t.clone() for t in (host, pool, slot_block, block_slot)]
     offload.gather_units_torch(a[0], a[1], fetch)
     offload.gather_units_triton(b[0], b[1], fetch)
     offload.flush_tails_torch(*a, pos, H_kv, B)
     offload.flush_tails_triton(*b, pos, H_kv, B)
+    if DEV == "cuda":
+        torch.cuda.synchronize()
     for x, y in zip(a, b):
         assert torch.equal(x, y)
     assert not torch.equal(a[0], host) and not torch.equal(a[1], pool)  # both moved something
