@@ -83,3 +83,12 @@ def test_single_prompt_streams_its_text(capsys):
     model, tok = checkpoint.load(checkpoint.DEFAULT_CHECKPOINT, dtype=torch.float32)
     assert printed.startswith("def parse(" + tok.decode(out[0]) + "\n---\n")
     assert model.eos_ids == {tok.token_to_id(checkpoint.EOT)}  # this format ends where a document ends
+
+
+def test_cpu_generation_runs_on_one_thread(monkeypatch):
+    """Decoding on a CPU is a chain of small ops: more threads only spin against competing processes."""
+    torch.set_num_threads(2)
+    seen = []
+    monkeypatch.setattr(generate, "main", lambda *a, **k: seen.append(torch.get_num_threads()))
+    generate.cli(["--device", "cpu", "--max-new-tokens", "1"])
+    assert seen == [1]
