@@ -356,7 +356,8 @@ def slot_attention_triton(q, pool, slot_block, bias, pos, B, n_split=None):
     R, k1 = pool.shape[:2]
     H_kv = R // Bz
     G = H_q // H_kv
-    n_split = n_split or max(1, min(k1, triton.cdiv(4 * 132, R)))  # a few programs per SM of an H100/H200
+    n_sm = torch.cuda.get_device_properties(q.device).multi_processor_count
+    n_split = n_split or max(1, min(k1, triton.cdiv(4 * n_sm, R)))  # a few programs per multiprocessor
     GP = _gp(G)
     o = torch.empty(R, n_split, GP, D, device=q.device, dtype=torch.float32)
     m = torch.empty(R, n_split, GP, device=q.device, dtype=torch.float32)

@@ -256,7 +256,8 @@ def bench_quality(ckpts, windows=16, T=1024, n_prompts=8, prompt_len=128, gen_le
     infllmv2' is the training-free baseline: the full-attention model decoded with InfLLMv2-style
     selection at the same budget k."""
     import train
-    from model import KVCache
+    from generate import generate
+    from kvcache import KVCache
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     systems = [("nosa", "nosa", None), ("full", "full", None), ("infllmv2", "infllmv2", None),
                ("dma", "dma", None), ("full as infllmv2 (training-free)", "full", "infllmv2")]
@@ -275,8 +276,8 @@ def bench_quality(ckpts, windows=16, T=1024, n_prompts=8, prompt_len=128, gen_le
         with torch.no_grad():
             nll = F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten(), reduction="none").view(windows, -1)
             torch.manual_seed(0)
-            gen = model.generate(prompts, gen_len, temperature=0.8, top_k=50,
-                                 cache=KVCache(model.cfg, n_prompts, dev, torch.float32))
+            gen = generate(model, prompts, gen_len, temperature=0.8, top_k=50,
+                           cache=KVCache(model.cfg, n_prompts, dev, torch.float32))
             full = torch.tensor([p + g for p, g in zip(prompts, gen)], device=dev)
             judged = F.cross_entropy(judge(full[:, :-1]).flatten(0, 1), full[:, 1:].flatten(), reduction="none")
             judged = judged.view(n_prompts, -1)[:, prompt_len - 1:]
@@ -299,29 +300,26 @@ SHAPES = {  # random-weight model shapes for the throughput benchmark
 PHASES = ("weights", "selection", "transfer", "attention")
 
 
-class Timeline:
-    """Splits eager decode steps by phase (model.phase marks): CUDA events on a GPU, a clock on CPU.
-    A phase's time runs from its mark to the next, so launch gaps count where they happen."""
-
-    def __init__(self, cuda):
-        self.cuda, self.marks = cuda, []
-
-    def mark(self, name):
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-        else:
-            e = time.perf_counter()
-        self.marks.append((name, e))
-
-    def split_ms(self):
-        if self.cuda:
+def split_by_phase(step, tok, n, cuda):
+    """n eager decode steps under torch.profiler: the device time (CPU time on a CPU) of the ranges the
+    step marks (record_function: selection, transfer, attention; the rest is the weights), per step in
+    ms, and the time of the gather kernels alone. Returns (tok, {phase: ms}, gather ms)."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            tok = step(tok)
+        if cuda:
             torch.cuda.synchronize()
-        ms = dict.fromkeys(PHASES, 0.0)
-        for (name, a), (_, b) in zip(self.marks, self.marks[1:]):
-            if name in ms:
-                ms[name] += a.elapsed_time(b) if self.cuda else (b - a) * 1e3
-        return ms
+        total = (time.perf_counter() - t0) * 1e3 / n
+    ev = {e.key: e for e in prof.key_averages()}
+    dev = lambda e: (e.device_time_total if cuda else e.cpu_time_total) / 1e3 / n
+    ms = {p: dev(ev[p]) if p in ev else 0.0 for p in PHASES[1:]}
+    ms["weights"] = max(total - sum(ms.values()), 0.0) if not cuda else \
+        sum(dev(e) for k, e in ev.items() if e.device_type.name == "CUDA") - sum(ms.values())
+    gather = sum(dev(e) for k, e in ev.items() if "gather_units" in k and (not cuda or e.device_type.name == "CUDA"))
+    return tok, ms, gather
 
 
 def pinned_bandwidth(nbytes=256 * 2**20):
@@ -352,10 +350,12 @@ def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, w
     prefill path, so the query-aware selection is random: hit rates are then the guaranteed bound's
     worst case, not a trained model's. With ckpts (train.py's tiny models: DIR/tiny-{nosa,full,infllmv2})
     the prompts are real text run through each trained model: real selections.
-    Per system: eager steps split by phase (weights, selection, transfer, attention), then the same
-    step as a CUDA graph (model.GraphedDecode; dense attention has dynamic shapes and stays eager)."""
+    Per system: eager steps split by phase (weights, selection, transfer, attention: the profiler's
+    ranges), then the same step as a CUDA graph (generate.GraphedDecode)."""
     from dataclasses import replace
-    import model as M
+    from generate import GraphedDecode
+    from kvcache import KVCache
+    from model import Transformer
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     cuda = dev == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -375,7 +375,7 @@ def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, w
             prompts = prompts or real_prompts(tok, batch_limit, prompt_len)  # one tokenizer for all of them
         else:
             with torch.device(dev):  # initialised where it runs: an 8B model would take minutes on the host
-                model = M.Transformer(replace(base, attn=attn)).to(dtype)
+                model = Transformer(replace(base, attn=attn)).to(dtype)
         model.eval()
         cfg = model.cfg
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -387,7 +387,7 @@ def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, w
         if Bz == 0:
             continue
         cache = (offload.OffloadCache(cfg, Bz, dev, dtype, max_len=max_len, host_budget=host_budget) if use_offload
-                 else M.KVCache(cfg, Bz, dev, dtype, max_len))
+                 else KVCache(cfg, Bz, dev, dtype, max_len))
         with torch.no_grad():
             if ckpts:
                 for seq, p in enumerate(prompts[:Bz]):
@@ -415,23 +415,11 @@ def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, w
                 return (time.perf_counter() - t0) / n
 
             eager_s = timed(step, eager_steps)  # before: every kernel launched from Python
-            M.TIMELINE = Timeline(cuda)
-            if use_offload:  # gather kernel time and bytes over the split steps
-                cache.stats.reset_timing()
-
-            def marked(t):
-                M.phase("weights")
-                t = step(t)
-                M.phase("end")
-                return t
-
-            timed(marked, eager_steps)
-            split = M.TIMELINE.split_ms()
-            M.TIMELINE = None
-            if use_offload:
-                moved = cache.stats.timed_moved.item() * cache.stats.unit_bytes / eager_steps
-                gather_ms = cache.stats.gather_seconds() / eager_steps * 1e3
-            graphed = M.GraphedDecode(model, cache)
+            moved0 = cache.stats.moved.sum().item() if use_offload else 0
+            tok_, split, gather_ms = split_by_phase(step, tok_, eager_steps, cuda)
+            if use_offload:  # gather kernel time and bytes over the profiled steps
+                moved = (cache.stats.moved.sum().item() - moved0) * cache.stats.unit_bytes / eager_steps
+            graphed = GraphedDecode(model, cache)
             gstep = lambda t: graphed(t).argmax(-1)
             timed(gstep, warmup)  # warm-up, capture
             if cuda:
@@ -442,7 +430,7 @@ def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, w
         row.update(tokens_s=round(Bz / graph_s, 1), step_ms=round(graph_s * 1e3, 2),
                    eager_step_ms=round(eager_s * 1e3, 2),
                    graphed=graphed.graph is not None,
-                   **{f"{p}_ms": round(split[p] / eager_steps, 2) for p in PHASES},
+                   **{f"{p}_ms": round(split[p], 2) for p in PHASES},
                    gpu_mem_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None)
         if use_offload:
             needed = cache.stats.needed.sum().item() - needed0

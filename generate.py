@@ -10,6 +10,7 @@ Prints the text (a single prompt's as it is generated), then greppable lines: to
 end-of-sequence token, or after --max-new-tokens.
 """
 import argparse
+import contextlib
 import os
 import time
 
@@ -17,6 +18,7 @@ import torch
 
 import checkpoint
 import nosa
+from kvcache import KVCache
 from model import Transformer
 from nosa import Config
 
@@ -67,11 +69,99 @@ class Store:
     def delete(self, key):'''
 
 
+# -----------------------------------------------------------------------------
+# Sampling, prefill and the decode loop
+
+
+def sample(logits, temperature=0.0, top_k=None):
+    """logits (Bz, vocab) -> (Bz,): greedy at temperature 0, else softmax(logits / T) over the top k."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(logits, -1), 1)[:, 0]
+
+
+@torch.no_grad()
+def generate(model, prompts, max_new_tokens, temperature=0.0, top_k=None, cache=None, eos_ids=(), on_token=None):
+    """Prompts: list of token lists (lengths may differ). Returns the new tokens of each. A sequence
+    ends at its first token in eos_ids (kept in its output); from then on it costs no transfers
+    (cache.finish), and the loop stops once every sequence has ended. on_token(tok) receives the
+    new tokens (Bz,) of every step, for streaming."""
+    if not prompts or max_new_tokens < 1:
+        raise ValueError("give at least one prompt and max_new_tokens >= 1")
+    model.check_length(max(len(p) for p in prompts), max_new_tokens)
+    if min(len(p) for p in prompts) == 0:
+        raise ValueError("empty prompt: give at least one token per sequence")
+    dev = model.embed_tokens.weight.device
+    max_len = max(len(p) for p in prompts) + max_new_tokens
+    cache = cache or KVCache(model.cfg, len(prompts), dev, model.embed_tokens.weight.dtype, max_len)
+    eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=dev)
+    tok = torch.empty(len(prompts), dtype=torch.long, device=dev)
+    for i, p in enumerate(prompts):  # prefill one sequence at a time: lengths may differ
+        logits = model(torch.tensor([p], device=dev), cache, seq=i)
+        tok[i] = sample(logits[:, -1], temperature, top_k)[0]
+    out, done = [tok.clone()], torch.isin(tok, eos)  # (Bz,) ended
+    on_token = on_token or (lambda tok: None)
+    on_token(tok)
+    decode = GraphedDecode(model, cache)
+    for step in range(max_new_tokens - 1):
+        if eos.numel() and step % 8 == 0 and bool(done.all()):  # a host sync, so only every few steps
+            break
+        cache.finish(done)
+        tok = sample(decode(tok), temperature, top_k)
+        out.append(tok)
+        on_token(tok)
+        done |= torch.isin(tok, eos)
+    rows = torch.stack(out, 1).tolist()
+    eos = set(eos_ids)
+    return [r[:next((i + 1 for i, t in enumerate(r) if t in eos), len(r))] for r in rows]
+
+
+class GraphedDecode:
+    """model.decode, captured once as a CUDA graph and replayed every step: the thousands of
+    small launches of a step (per layer: projections, scoring, selection, set difference, gather,
+    attention) become one, so a step costs what its kernels cost. This is correct because nothing
+    in a step asks the host: positions, lengths, tables and transfers live on the device, and shapes
+    do not change while every position is below cache.capacity(). Elsewhere (CPU, dense attention,
+    a short context, past the capacity) it runs the eager step, which computes the same logits."""
+
+    def __init__(self, model, cache):
+        self.model, self.cache = model, cache
+        self.graph, self.warm = None, False
+
+    def __call__(self, tok):
+        cache, pos = self.cache, int(self.cache.len_cpu.max())
+        if not (tok.is_cuda and self.model.cfg.l_c <= pos + 1 and pos < cache.capacity()):
+            return self.model.decode(tok, cache)
+        if self.graph is None:
+            if not self.warm:  # one eager step first: compiles and initialises what the graph will launch
+                self.warm = True
+                return self.model.decode(tok, cache)
+            self.tok, self.graph = tok.clone(), torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):  # records, runs nothing; cache.advance's host part runs once
+                self.logits = self.model.decode(self.tok, cache)
+        else:
+            self.tok.copy_(tok)
+            cache.advance_host()
+        self.graph.replay()
+        return self.logits.clone()  # the next replay overwrites the graph's output
+
+
+# -----------------------------------------------------------------------------
+# The script
+
+
 def main(checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, prompt=DEFAULT_PROMPT, max_new_tokens=300, batch=1,
-         temperature=0.8, top_k=50, offload=False, device=None, seed=1337, quiet=False, attn=None, chat=False):
+         temperature=0.8, top_k=50, offload=False, device=None, seed=1337, quiet=False, attn=None, chat=False,
+         profile=None):
     """Generate from one prompt or several (a ragged batch); returns the new tokens of each sequence.
     A single prompt's text is streamed as it is generated (unless quiet); every sequence stops at
-    the checkpoint's end-of-sequence token. chat: wrap each prompt in the checkpoint's chat template."""
+    the checkpoint's end-of-sequence token. chat: wrap each prompt in the checkpoint's chat template.
+    profile: write a trace of the timed generation there (open it in chrome://tracing or Perfetto);
+    the decode step marks its selection, transfer and attention as ranges."""
     for name, value, least in (("--batch", batch, 1), ("--max-new-tokens", max_new_tokens, 1), ("--top-k", top_k, 0),
                                ("--temperature", temperature, 0)):
         if value < least:
@@ -107,18 +197,24 @@ def main(checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, prompt=DEFAULT_PROMPT, ma
                                  max_len=max(map(len, ids)) + max_new_tokens)
 
     if device.type == "cuda":  # warm-up: build uva_copy.cu and compile the kernels outside the timing
-        model.generate(ids, 2, temperature, top_k, cache=new_cache())
+        generate(model, ids, 2, temperature, top_k, cache=new_cache())
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # give the warm-up cache back before the budget check of the real one
     cache = new_cache()
     stream = Stream(tokenizer, model.eos_ids) if batch == 1 and not quiet else None
     if stream:
         print(prompts[0], end="", flush=True)
-    t0 = time.perf_counter()
-    out = model.generate(ids, max_new_tokens, temperature, top_k, cache=cache, eos_ids=model.eos_ids, on_token=stream)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])) if profile else None
+    with prof or contextlib.nullcontext():
+        t0 = time.perf_counter()
+        out = generate(model, ids, max_new_tokens, temperature, top_k, cache=cache, eos_ids=model.eos_ids,
+                       on_token=stream)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+    if prof:
+        prof.export_chrome_trace(profile)
     if stream:
         print("\n---")
     elif not quiet:
@@ -130,6 +226,8 @@ def main(checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, prompt=DEFAULT_PROMPT, ma
           f"{model.cfg.attn}, {device})")
     if cache is not None:
         print(cache.stats.summary())
+    if prof:
+        print(f"profile: {profile} (chrome://tracing or ui.perfetto.dev)")
     return out
 
 
@@ -193,6 +291,7 @@ def cli(argv=None):
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--quiet", action="store_true", help="print only the statistics, not the text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
+    p.add_argument("--profile", metavar="TRACE.json", help="write a profiler trace of the generation")
     p.add_argument("--attn", choices=nosa.MODES,
                    help="override the checkpoint's attention mode (e.g. infllmv2: training-free sparse decoding)")
     a = p.parse_args(argv)
@@ -202,7 +301,7 @@ def cli(argv=None):
             torch.set_num_threads(1)  # thread is as fast as two, and does not collapse when the cores are busy
         prompt = (a.prompt or []) + [read_prompt(f) for f in a.prompt_file or []] or DEFAULT_PROMPT
         return main(a.checkpoint, prompt, a.max_new_tokens, a.batch, a.temperature, a.top_k, a.offload, a.device,
-                    a.seed, a.quiet, a.attn, a.chat)
+                    a.seed, a.quiet, a.attn, a.chat, a.profile)
 
     return checkpoint.run_cli(run)
 

@@ -106,6 +106,14 @@ class Config:
         return self.k - self.k_q
 
     @property
+    def sparse(self):  # selects blocks (every mode but full attention)
+        return self.attn != "full"
+
+    @property
+    def eviction_head(self):  # has the eviction head A, W_δ and its bias (nosa, dma)
+        return self.attn in ("nosa", "dma")
+
+    @property
     def G(self):  # query heads per KV head
         return self.H_q // self.H_kv
 

@@ -12,9 +12,9 @@ tail block, the one being written.
   slot_block   (R, k)             slot -> block id, -1 = free
   block_slot   (R, cap)           block -> slot, -1 = not resident
   c            (Bz, H_kv, S)      the eviction score of every token stays on the GPU (1/2d of K+V),
-                                  as do the pooled caches K̃ and c̃ that scoring reads (model.SubBlockCache)
+                                  as do the pooled caches K̃ and c̃ that scoring reads (kvcache.SubBlockCache)
 
-Per decode step and layer (Attention.decode in model.py calls append, then attend):
+Per decode step and layer (model.Attention.decode calls append, then attend):
   1. append     write k, v into the tail, c into its cache, update K̃ / c̃
   2. select     Γ(t), exactly as in training (nosa.select_blocks)
   3. set_difference   the selected non-tail blocks against the resident ones: free the slots of
@@ -28,16 +28,16 @@ By the locality theorem (nosa.py) step 4 moves at most k - k_e units per row and
 import math
 import os
 import sys
-import time
 import warnings
 
 import torch
 import triton
 import triton.language as tl
+from torch.profiler import record_function
 
 import attention
 import eviction
-from model import SubBlockCache, grow, phase
+from kvcache import Cache, SubBlockCache, grow
 
 
 # -----------------------------------------------------------------------------
@@ -202,7 +202,8 @@ def flush_tails(host, pool, slot_block, block_slot, pos, H_kv, B):
 class Stats:
     """Per-layer counters kept on the device (no sync while decoding), read once at the end. The first
     step after a row's prefill gathers its whole selection (nothing is resident yet): those cold
-    gathers are counted apart, so the hit rate is the steady state the locality theorem bounds."""
+    gathers are counted apart, so the hit rate is the steady state the locality theorem bounds.
+    Times are for the profiler (generate.py --profile, bench.py): the step's parts are ranges."""
 
     def __init__(self, n_layer, unit_bytes, device):
         self.unit_bytes = unit_bytes
@@ -211,30 +212,15 @@ class Stats:
         self.cold = torch.zeros(n_layer, dtype=torch.long, device=device)  # gathered at a row's first step
         self.row_max = torch.zeros((), dtype=torch.long, device=device)  # most one row gathered in one step
         self.steps = 0
-        self.reset_timing()
-
-    def reset_timing(self):
-        """Gathers are timed outside CUDA graphs only: their time (CUDA events on a GPU) and units."""
-        self.transfer_s, self._events = 0.0, []
-        self.timed_moved = torch.zeros((), dtype=torch.long, device=self.moved.device)
-
-    def gather_seconds(self):
-        for start, end in self._events:
-            self.transfer_s += start.elapsed_time(end) / 1e3
-        self._events = []
-        return self.transfer_s
 
     def summary(self):
         needed, moved = self.needed.sum().item(), self.moved.sum().item()
         per_layer = (1 - self.moved / self.needed.clamp(min=1)).tolist()
         steps = max(self.steps, 1)
-        t = self.gather_seconds()
-        gbs = self.timed_moved.item() * self.unit_bytes / t / 1e9 if t > 0 else 0.0
         return (f"hit rate: {100 * (1 - moved / max(needed, 1)):.1f}% (per layer: "
                 f"{' '.join(f'{100 * h:.1f}' for h in per_layer)}) | blocks moved per step: {moved / steps:.1f} | "
                 f"bytes moved per step: {moved * self.unit_bytes / steps / 1e6:.3f} MB | most blocks one row "
-                f"moved in a step: {self.row_max.item()} | after prefill: {self.cold.sum().item()} blocks | "
-                f"gather: {gbs:.1f} GB/s (steps outside CUDA graphs)")
+                f"moved in a step: {self.row_max.item()} | after prefill: {self.cold.sum().item()} blocks")
 
 
 # -----------------------------------------------------------------------------
@@ -273,11 +259,11 @@ def host_bytes_available():
         return None
 
 
-class OffloadCache:
-    """Drop-in for model.KVCache (prefill / append / attend / advance) with the KV cache in host
-    memory and only the selected blocks on the device. max_len (default cfg.max_seq_len) sizes
-    every buffer once, and selection ranges over all its blocks at every step (static shapes for
-    model.GraphedDecode): size it to the job, as generate.py does."""
+class OffloadCache(Cache):
+    """The cache interface of kvcache.py with the KV blocks in host memory and only the selected ones
+    on the device. max_len (default cfg.max_seq_len) sizes every buffer once, and selection ranges
+    over all its blocks at every step (static shapes for generate.GraphedDecode): size it to the
+    job, as generate.py does."""
 
     def __init__(self, cfg, Bz, device, dtype, max_len=None, gpu_budget=None, host_budget=None):
         if cfg.attn == "full":
@@ -300,9 +286,8 @@ class OffloadCache:
             raise MemoryError(f"the GPU slot pool needs {need_gpu / 2**30:.2f} GiB for batch {Bz} (k={k} slots of "
                               f"{unit / 1024:.0f} KiB per row and layer), but the budget is {gpu_budget / 2**30:.2f} "
                               f"GiB: lower the batch")
+        super().__init__(Bz, device)
         self.pin = self.device.type == "cuda"
-        self.len = torch.zeros(Bz, dtype=torch.long, device=device)
-        self.len_cpu = torch.zeros(Bz, dtype=torch.long)
         self.host = [self._host_alloc(R, cap, dtype) for _ in range(L)]
         self.pool = [torch.zeros(R, k + 1, 2, B, d, dtype=dtype, device=device) for _ in range(L)]
         self.tail = [p[:, k] for p in self.pool]  # the last slot holds the tail block
@@ -352,21 +337,17 @@ class OffloadCache:
             self.c[layer][seq, :, :T] = c
         self.sub.prefill(layer, seq, k, c)
         if layer == cfg.n_layer - 1:
-            self.len[seq] = self.len_cpu[seq] = T
+            self.set_length(seq, T)
 
-    def advance(self):
-        self.len += 1
-        self.advance_host()
-
-    def advance_host(self):  # the host-side part of advance, which a CUDA graph replay does not run
-        self.len_cpu += 1
+    def advance_host(self):
+        super().advance_host()
         self.stats.steps += 1
 
     def finish(self, done):
         """done (Bz,): sequences that ended. Their rows stop selecting blocks, so they move nothing."""
         self.active.copy_(~done)
 
-    def capacity(self):  # positions below which a decode step keeps its shapes (model.GraphedDecode)
+    def capacity(self):  # positions below which a decode step keeps its shapes (generate.GraphedDecode)
         return self.max_len
 
     def n_blocks(self):  # selection ranges over every block the store holds: static shapes
@@ -388,46 +369,31 @@ class OffloadCache:
 
     def attend(self, layer, q, block_mask):
         """q (Bz, H_q, 1, d) at positions self.len; block_mask (Bz, H_kv, 1, nb) = Γ(t)."""
-        phase("transfer")
         cfg, Bz = self.cfg, self.Bz
         R, k, B = Bz * cfg.H_kv, cfg.k, cfg.B
-        pos = self.len.repeat_interleave(cfg.H_kv)  # (R,)
-        q_blk = pos // B
-        sel = block_mask.reshape(R, -1)  # (R, nb)
-        nb = sel.shape[1]
-        b = torch.arange(nb, device=self.device)
-        active = self.active.repeat_interleave(cfg.H_kv)[:, None]  # (R, 1) ended sequences need nothing
-        need = sel & (b != q_blk[:, None]) & active  # the tail is always on the device
-        # ascending block ids of the needed blocks, -1 padded: at most k - 1 of them
-        need_ids = torch.where(need, b, nb).sort(1).values[:, :k]
-        need_ids = torch.where(need_ids < nb, need_ids, -1).contiguous()
-        set_difference(need_ids, self.slot_block[layer], self.block_slot[layer], self.fetch[layer])
-        moved, cold = (self.fetch[layer] >= 0).sum(1), self.fresh[layer]  # (R,) each
-        self.stats.needed[layer] += torch.where(cold, 0, need.sum(1)).sum()
-        self.stats.moved[layer] += torch.where(cold, 0, moved).sum()
-        self.stats.cold[layer] += torch.where(cold, moved, 0).sum()
-        torch.maximum(self.stats.row_max, torch.where(cold, 0, moved).max(), out=self.stats.row_max)
-        cold.zero_()
-        self._timed_gather(layer)
-        phase("attention")
-        bias = eviction.attention_bias(self.c[layer], cfg.attn) if cfg.attn in ("nosa", "dma") else None
-        o = attention.slot_attention(q, self.pool[layer], self.slot_block[layer], bias, self.len, B)
-        phase("transfer")
-        flush_tails(self.host[layer], self.pool[layer], self.slot_block[layer], self.block_slot[layer], self.len,
-                    cfg.H_kv, B)
+        with record_function("transfer"):
+            pos = self.len.repeat_interleave(cfg.H_kv)  # (R,)
+            q_blk = pos // B
+            sel = block_mask.reshape(R, -1)  # (R, nb)
+            nb = sel.shape[1]
+            b = torch.arange(nb, device=self.device)
+            active = self.active.repeat_interleave(cfg.H_kv)[:, None]  # (R, 1) ended sequences need nothing
+            need = sel & (b != q_blk[:, None]) & active  # the tail is always on the device
+            # ascending block ids of the needed blocks, -1 padded: at most k - 1 of them
+            need_ids = torch.where(need, b, nb).sort(1).values[:, :k]
+            need_ids = torch.where(need_ids < nb, need_ids, -1).contiguous()
+            set_difference(need_ids, self.slot_block[layer], self.block_slot[layer], self.fetch[layer])
+            moved, cold = (self.fetch[layer] >= 0).sum(1), self.fresh[layer]  # (R,) each
+            self.stats.needed[layer] += torch.where(cold, 0, need.sum(1)).sum()
+            self.stats.moved[layer] += torch.where(cold, 0, moved).sum()
+            self.stats.cold[layer] += torch.where(cold, moved, 0).sum()
+            torch.maximum(self.stats.row_max, torch.where(cold, 0, moved).max(), out=self.stats.row_max)
+            cold.zero_()
+            gather_units(self.host[layer], self.pool[layer], self.fetch[layer])
+        with record_function("attention"):
+            bias = eviction.attention_bias(self.c[layer], cfg.attn) if cfg.eviction_head else None
+            o = attention.slot_attention(q, self.pool[layer], self.slot_block[layer], bias, self.len, B)
+        with record_function("transfer"):
+            flush_tails(self.host[layer], self.pool[layer], self.slot_block[layer], self.block_slot[layer], self.len,
+                        cfg.H_kv, B)
         return o
-
-    def _timed_gather(self, layer):
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():  # a CUDA graph: no events
-            return gather_units(self.host[layer], self.pool[layer], self.fetch[layer])
-        self.stats.timed_moved += (self.fetch[layer] >= 0).sum()
-        if self.device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            gather_units(self.host[layer], self.pool[layer], self.fetch[layer])
-            end.record()
-            self.stats._events.append((start, end))
-        else:
-            t0 = time.perf_counter()
-            gather_units(self.host[layer], self.pool[layer], self.fetch[layer])
-            self.stats.transfer_s += time.perf_counter() - t0

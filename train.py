@@ -156,6 +156,7 @@ def main(preset="tiny", attn="nosa", out=None, data=None, data_dir=None, steps=1
             raise ValueError(f"{name} {value}: must be at least {least}")
     if not lr > 0:
         raise ValueError(f"--lr {lr}: must be positive")
+    checkpoint.pick_device(device)  # a device this torch lacks fails here, before anything else
     out = out or os.path.join(checkpoint.ROOT, "out", f"{preset}-{attn}")
     data_dir = data_dir or os.path.join(checkpoint.ROOT, "data")
     cfg = Config.from_preset(preset, attn=attn, **overrides)  # invalid configs fail here, before any work

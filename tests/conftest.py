@@ -9,6 +9,12 @@ if not torch.cuda.is_available():
 
 torch.set_num_threads(max(1, os.cpu_count() or 1))
 
+from generate import GraphedDecode  # noqa: E402 (after TRITON_INTERPRET)
+from kvcache import KVCache  # noqa: E402
+from model import Transformer  # noqa: E402
+from nosa import Config  # noqa: E402
+
+
 
 @pytest.fixture(autouse=True)
 def _seed_and_threads():
@@ -16,3 +22,34 @@ def _seed_and_threads():
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)  # generate.cli runs on one thread on CPU; the other tests do not
+
+
+# k*B = 64 tokens: sequences of 300+ tokens cross many block boundaries with sparsity active
+small = dict(n_layer=2, dim=64, H_q=4, H_kv=2, head_dim=16, hidden_dim=96, vocab_size=97,
+             B=8, l_c=4, s_c=2, n_sink=1, n_win=2, k=8, k_q=2)
+
+
+def make_model(attn, dtype, **kw):
+    cfg = Config.from_preset("tiny", attn=attn, **{**small, **kw})
+    model = Transformer(cfg).to(dtype)
+    for m in model.modules():  # A = 0 at init would make the bias vanish; give it a real value
+        if hasattr(m, "A"):
+            torch.nn.init.normal_(m.A, std=1.0)
+    return model
+
+
+def decode_logits(model, idx, prompt_lens, cache=None, graphed=False):
+    """Prefill each sequence's prompt, then decode the rest of idx one token per step (through
+    GraphedDecode if graphed); returns the logits at every position from the last prompt token on,
+    per sequence. The cache defaults to a growing KVCache on idx's device."""
+    cache = cache or KVCache(model.cfg, len(prompt_lens), idx.device, model.embed_tokens.weight.dtype)
+    decode = GraphedDecode(model, cache) if graphed else lambda tok: model.decode(tok, cache)
+    out = [[] for _ in prompt_lens]
+    with torch.no_grad():
+        for i, P in enumerate(prompt_lens):
+            out[i].append(model(idx[i:i + 1, :P], cache, seq=i)[0, -1])
+        for s in range(idx.shape[1] - max(prompt_lens)):
+            logits = decode(torch.stack([idx[i, P + s] for i, P in enumerate(prompt_lens)]))
+            for i in range(len(prompt_lens)):
+                out[i].append(logits[i])
+    return [torch.stack(o) for o in out]

@@ -9,7 +9,9 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 import checkpoint
-from model import KVCache, Transformer
+from generate import generate
+from kvcache import KVCache
+from model import Transformer
 from offload import OffloadCache
 
 HF_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 96,
@@ -78,9 +80,9 @@ def test_hf_checkpoint_generates_same_logits_as_direct_model(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(loaded(idx), direct(idx), rtol=0, atol=0)
         prompts = [idx[0, :50].tolist(), idx[0, 60:90].tolist()]  # a batch of two lengths
-        want = direct.generate(prompts, 100)
-        assert loaded.generate(prompts, 100, cache=KVCache(loaded.cfg, 2, "cpu", torch.float32)) == want
-        assert loaded.generate(prompts, 100, cache=OffloadCache(loaded.cfg, 2, "cpu", torch.float32)) == want
+        want = generate(direct, prompts, 100)
+        assert generate(loaded, prompts, 100, cache=KVCache(loaded.cfg, 2, "cpu", torch.float32)) == want
+        assert generate(loaded, prompts, 100, cache=OffloadCache(loaded.cfg, 2, "cpu", torch.float32)) == want
 
 
 @pytest.mark.parametrize("kind, kw, msg", [

@@ -92,3 +92,11 @@ def test_cpu_generation_runs_on_one_thread(monkeypatch):
     monkeypatch.setattr(generate, "main", lambda *a, **k: seen.append(torch.get_num_threads()))
     generate.cli(["--device", "cpu", "--max-new-tokens", "1"])
     assert seen == [1]
+
+
+def test_profile_trace_marks_the_parts_of_a_step(tmp_path):
+    import json
+    trace = tmp_path / "trace.json"
+    generate.main(max_new_tokens=5, offload=True, device="cpu", quiet=True, profile=str(trace))
+    names = {e.get("name") for e in json.load(open(trace))["traceEvents"]}
+    assert {"selection", "transfer", "attention"} <= names

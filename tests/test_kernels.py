@@ -122,10 +122,10 @@ def test_model_through_the_kernels(monkeypatch):
     """The whole system on the kernel path (compiled on a GPU, interpreted on CPU): the parallel
     forward matches the twins, and offloaded decoding through the scoring and slot kernels matches
     the parallel forward through the training kernels."""
-    from model import KVCache
+    from kvcache import KVCache
     from offload import OffloadCache
     import pooling
-    from tests.test_model import decode_logits, make_model
+    from tests.conftest import decode_logits, make_model
     kw = dict(n_layer=1, dim=64, H_q=4, H_kv=2, head_dim=16, hidden_dim=96, vocab_size=97, B=16, l_c=8, s_c=4,
               n_sink=1, n_win=1, k=4, k_q=1)  # k·B = 64 tokens
     model = make_model("nosa", torch.float32, **kw).to(DEV)
@@ -145,7 +145,7 @@ def test_model_through_the_kernels(monkeypatch):
 
 @pytest.mark.parametrize("prompt_lens", [[20, 70], [45, 45]])  # ragged (a mask) and equal (flash, no mask)
 def test_full_attention_decode_bf16(prompt_lens):
-    from tests.test_model import decode_logits, make_model
+    from tests.conftest import decode_logits, make_model
     model = make_model("full", torch.bfloat16, n_layer=2, dim=128, H_q=8, H_kv=2, head_dim=64, B=16).to(DEV)  # SDPA
     idx = torch.randint(0, 97, (2, 150), device=DEV)
     with torch.no_grad():

@@ -5,9 +5,10 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import offload
-from model import KVCache
+from generate import generate
+from kvcache import KVCache
 from offload import OffloadCache
-from tests.test_model import decode_logits, make_model
+from tests.conftest import decode_logits, make_model
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -76,7 +77,7 @@ def test_offload_stats_and_locality_bound():
     cfg = model.cfg
     cache = CheckedCache(cfg, 2, DEV, torch.float32, max_len=90 + 300)  # sized exactly, as generate.py does
     cache.moves = []
-    model.generate([[1, 2, 3] * 30, [4] * 7], max_new_tokens=300, cache=cache)
+    generate(model, [[1, 2, 3] * 30, [4] * 7], max_new_tokens=300, cache=cache)
     most = max(cache.moves)
     assert 0 < most <= cfg.k_q - 1 and cache.stats.row_max.item() == most
     assert cache.stats.moved.sum().item() == sum(cache.moves)
@@ -209,12 +210,12 @@ def test_a_sequence_stops_at_its_end_token_while_another_continues():
     alone, and row 0 gathers nothing once it has ended."""
     model = make_model("nosa", torch.float32).to(DEV)
     prompts = [list(range(1, 90)), [5, 6, 7] * 30]
-    free = model.generate(prompts, 120)  # greedy, no end token
+    free = generate(model, prompts, 120)  # greedy, no end token
     eos = next(t for t in free[0][10:] if t not in free[1])  # a token row 0 makes and row 1 never does
     end = free[0].index(eos) + 1
     cache = CountingCache(model.cfg, 2, DEV, torch.float32, max_len=90 + 120)
     cache.log = []
-    out = model.generate(prompts, 120, cache=cache, eos_ids={eos})
+    out = generate(model, prompts, 120, cache=cache, eos_ids={eos})
     assert out[0] == free[0][:end] and out[1] == free[1]
     ended_at = len(prompts[0]) + end  # row 0's position when its first step after the end token runs
     after = [moved[:model.cfg.H_kv] for pos, moved in cache.log if pos[0] >= ended_at]

@@ -6,7 +6,7 @@ from hypothesis import assume, given, settings, strategies as st
 import eviction
 import nosa
 import pooling
-from model import SubBlockCache
+from kvcache import SubBlockCache
 from nosa import Config
 
 paper = Config.from_preset("paper")

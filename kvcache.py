@@ -1,0 +1,188 @@
+"""
+KV caches for step-by-step decoding: the interface a decode step talks to, and the resident cache.
+
+Notation: Bz sequences, H_kv KV heads of dim d, S cached positions, c eviction scores (eviction.py),
+K̃ / c̃ the pooled caches scoring reads (pooling.py): M = complete sub-blocks.
+
+A cache offers, per layer, what model.Attention.decode calls, in this order:
+  append(layer, k, v, c)        write the new token of every sequence at its position `len`
+  sub[layer]                    the pooled caches (K̃, c̃) the selection scores from
+  n_blocks()                    how many blocks selection ranges over
+  attend(layer, q, block_mask)  attention of q over the selected blocks Γ(t)
+and prefill(layer, seq, k, v, c) for a prompt, advance() after a step, finish(done) for sequences
+that ended. KVCache keeps everything on the device; offload.OffloadCache keeps the blocks in host
+memory and only the selected ones on the GPU (NOSI). Both share Cache (the lengths) and
+SubBlockCache (the pooled caches).
+"""
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.profiler import record_function
+
+import attention
+import eviction
+import pooling
+
+
+class Cache:
+    """The lengths every cache keeps: tokens per sequence on the device (read by the decode step) and
+    the same on the host (read by the Python that sizes and launches it, without a device sync)."""
+
+    def __init__(self, Bz, device):
+        self.len = torch.zeros(Bz, dtype=torch.long, device=device)
+        self.len_cpu = torch.zeros(Bz, dtype=torch.long)
+
+    def set_length(self, seq, T):  # after a prefill of T tokens into row seq
+        self.len[seq] = self.len_cpu[seq] = T
+
+    def advance(self):
+        self.len += 1
+        self.advance_host()
+
+    def advance_host(self):  # the host-side part of advance, which a CUDA graph replay does not run
+        self.len_cpu += 1
+
+    def finish(self, done):
+        """done (Bz,): sequences that ended; a cache may stop spending on them."""
+
+
+def grow(t, n, dim):
+    """Return t with at least n entries along `dim`, doubling: no buffer is sized once up front."""
+    if t.shape[dim] >= n:
+        return t
+    shape = list(t.shape)
+    shape[dim] = max(n, 2 * t.shape[dim]) - t.shape[dim]
+    return torch.cat([t, t.new_zeros(shape)], dim)
+
+
+class SubBlockCache:
+    """Per layer: the pooled caches K̃ (Bz, H_kv, M, d) and c̃ (Bz, H_kv, M), kept up to date
+    one token at a time from a ring of the last l_c keys and scores. Both caches use it."""
+
+    def __init__(self, cfg, Bz, device, dtype, max_len=0):
+        self.cfg = cfg
+        L, H, d, l_c = cfg.n_layer, cfg.H_kv, cfg.head_dim, cfg.l_c
+        M = pooling.n_subblocks(max_len, cfg)  # preallocated for max_len tokens; grows past it
+        self.ring_k = [torch.zeros(Bz, H, l_c, d, device=device, dtype=dtype) for _ in range(L)]
+        cdt = torch.promote_types(dtype, torch.float32)  # c and its pools stay in fp32 (or fp64)
+        self.ring_c = [torch.zeros(Bz, H, l_c, device=device, dtype=cdt) for _ in range(L)]
+        self.K_sub = [torch.zeros(Bz, H, M, d, device=device, dtype=dtype) for _ in range(L)]
+        self.c_sub = [torch.zeros(Bz, H, M, device=device, dtype=cdt) for _ in range(L)]
+
+    def __getitem__(self, layer):
+        return self.K_sub[layer], self.c_sub[layer]
+
+    def prefill(self, layer, seq, k, c):
+        """k (H_kv, T, d), c (H_kv, T) or None: one whole sequence."""
+        cfg, T = self.cfg, k.shape[1]
+        K_sub = pooling.compress_keys(k, cfg)  # (H_kv, M, d)
+        M = K_sub.shape[1]
+        self.K_sub[layer] = grow(self.K_sub[layer], M, 2)
+        self.c_sub[layer] = grow(self.c_sub[layer], M, 2)
+        self.K_sub[layer][seq, :, :M] = K_sub
+        tail = torch.arange(max(T - cfg.l_c, 0), T, device=k.device)
+        self.ring_k[layer][seq][:, tail % cfg.l_c] = k[:, tail]
+        if c is not None:
+            self.c_sub[layer][seq, :, :M] = pooling.pool_mean(c, cfg)
+            self.ring_c[layer][seq][:, tail % cfg.l_c] = c[:, tail]
+
+    def append(self, layer, k, c, pos, max_pos):
+        """k (Bz, H_kv, d), c (Bz, H_kv) or None, written at positions pos (Bz,); when a sub-block
+        completes (every s_c tokens, per sequence) its mean joins K̃ and c̃. max_pos: the largest
+        position, known on the host, so that nothing here waits for the device."""
+        cfg, rows = self.cfg, torch.arange(k.shape[0], device=k.device)
+        self.ring_k[layer][rows, :, pos % cfg.l_c] = k
+        if c is not None:
+            self.ring_c[layer][rows, :, pos % cfg.l_c] = c
+        if max_pos + 1 < cfg.l_c:
+            return
+        self.K_sub[layer] = grow(self.K_sub[layer], pooling.n_subblocks(max_pos + 1, cfg), 2)
+        self.c_sub[layer] = grow(self.c_sub[layer], pooling.n_subblocks(max_pos + 1, cfg), 2)
+        start = pos + 1 - cfg.l_c  # first token of the sub-block that ends at pos, (Bz,)
+        done = ((start >= 0) & (start % cfg.s_c == 0))[:, None]  # (Bz, 1)
+        m = (start // cfg.s_c).clamp(min=0)  # (Bz,)
+        order = (start[:, None] + torch.arange(cfg.l_c, device=k.device)) % cfg.l_c  # ring in token order
+        new = self.ring_k[layer][rows[:, None], :, order].mean(1)  # (Bz, H_kv, d)
+        self.K_sub[layer][rows, :, m] = torch.where(done[..., None], new, self.K_sub[layer][rows, :, m])
+        if c is not None:
+            new = self.ring_c[layer][rows[:, None], :, order].mean(1)  # (Bz, H_kv)
+            self.c_sub[layer][rows, :, m] = torch.where(done, new, self.c_sub[layer][rows, :, m])
+
+
+class KVCache(Cache):
+    """The whole cache on one device: K, V (Bz, H_kv, S, d) per layer, and what the mode needs besides:
+    eviction scores c (Bz, H_kv, S) for nosa and dma, the pooled caches for the sparse modes, none of
+    it for full attention. With max_len, the buffers are allocated once for max_len tokens and sparse
+    modes attend over all of them (static shapes, so a decode step can be a CUDA graph:
+    generate.GraphedDecode); without, they grow with the sequences."""
+
+    def __init__(self, cfg, Bz, device, dtype, max_len=None):
+        super().__init__(Bz, device)
+        self.cfg, self.max_len = cfg, max_len
+        L, H, d, S = cfg.n_layer, cfg.H_kv, cfg.head_dim, max_len or 0
+        self.k = [torch.zeros(Bz, H, S, d, device=device, dtype=dtype) for _ in range(L)]
+        self.v = [torch.zeros(Bz, H, S, d, device=device, dtype=dtype) for _ in range(L)]
+        cdt = torch.promote_types(dtype, torch.float32)
+        self.c = [torch.zeros(Bz, H, S if cfg.eviction_head else 0, device=device, dtype=cdt) for _ in range(L)]
+        self.sub = SubBlockCache(cfg, Bz, device, dtype, S) if cfg.sparse else None
+
+    def prefill(self, layer, seq, k, v, c):
+        T = k.shape[1]
+        self._grow(layer, T)
+        self.k[layer][seq, :, :T], self.v[layer][seq, :, :T] = k, v
+        if c is not None:
+            self.c[layer][seq, :, :T] = c
+        if self.sub:
+            self.sub.prefill(layer, seq, k, c)
+        if layer == self.cfg.n_layer - 1:
+            self.set_length(seq, T)
+
+    def capacity(self):
+        """Positions below which a decode step keeps its shapes (GraphedDecode); 0: they change every step."""
+        return self.max_len if self.max_len and self.cfg.sparse else 0
+
+    def S(self):  # tokens attention spans: all preallocated ones in sparse modes, else exactly the context
+        return max(self.capacity(), int(self.len_cpu.max()) + 1)
+
+    def n_blocks(self):  # the blocks selection ranges over
+        return pooling.n_blocks(self.S(), self.cfg)
+
+    def append(self, layer, k, v, c):
+        pos, rows = self.len, torch.arange(k.shape[0], device=k.device)
+        max_pos = int(self.len_cpu.max())
+        self._grow(layer, max_pos + 1)
+        self.k[layer][rows, :, pos], self.v[layer][rows, :, pos] = k, v
+        if c is not None:
+            self.c[layer][rows, :, pos] = c
+        if self.sub:
+            self.sub.append(layer, k, c, pos, max_pos)
+
+    def attend(self, layer, q, block_mask):
+        """q (Bz, H_q, 1, d) at positions self.len -> (Bz, H_q, 1, d) over the cached tokens."""
+        S = self.S()
+        with record_function("attention"):
+            if not self.cfg.sparse:
+                return self._dense_decode(layer, q, S)
+            bias = eviction.attention_bias(self.c[layer][:, :, :S], self.cfg.attn) if self.cfg.eviction_head else None
+            return attention.sparse_attention(q, self.k[layer][:, :, :S], self.v[layer][:, :, :S], bias, block_mask,
+                                              self.len[:, None], self.cfg)
+
+    def _grow(self, layer, n):
+        self.k[layer], self.v[layer] = grow(self.k[layer], n, 2), grow(self.v[layer], n, 2)
+        if self.cfg.eviction_head:
+            self.c[layer] = grow(self.c[layer], n, 2)
+
+    def _dense_decode(self, layer, q, S):
+        """Full attention, one query per sequence: the G query heads of a KV head are G rows of one
+        SDPA call (flash, splitting the keys when the batch is small), so K and V are read once and
+        never copied G times; a mask only where sequences differ in length."""
+        Bz, H_q, _, d = q.shape
+        H_kv = self.cfg.H_kv
+        mask = None
+        if int(self.len_cpu.min()) != int(self.len_cpu.max()):
+            mask = (torch.arange(S, device=q.device) <= self.len[:, None])[:, None, None]  # (Bz, 1, 1, S)
+        # not cuDNN, which SDPA prefers here: 4.7x slower than flash for these shapes on an H200 (BENCHMARKS.md)
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+            o = F.scaled_dot_product_attention(q.reshape(Bz, H_kv, H_q // H_kv, d), self.k[layer][:, :, :S],
+                                               self.v[layer][:, :, :S], attn_mask=mask)
+        return o.reshape(Bz, H_q, 1, d)
