@@ -222,7 +222,7 @@ def read_json(path, name):
 
 
 # -----------------------------------------------------------------------------
-# Set-up shared by the scripts (train.py, generate.py, bench.py)
+# Set-up shared by the scripts (train.py, generate.py, bench)
 
 
 def pick_device(name=None):

@@ -98,7 +98,7 @@ def gather_units_torch(host, pool, fetch):
 
 # Triton versions of the two kernels that touch pinned host memory: Triton reads and writes it
 # through the device pointer of the pinned store, as the CUDA kernels do, and needs no nvcc, so
-# they are what a GPU machine without the CUDA toolkit runs (bench.py gather compares the two).
+# they are what a GPU machine without the CUDA toolkit runs (python -m bench gather compares the two).
 
 
 @triton.jit
@@ -203,7 +203,7 @@ class Stats:
     """Per-layer counters kept on the device (no sync while decoding), read once at the end. The first
     step after a row's prefill gathers its whole selection (nothing is resident yet): those cold
     gathers are counted apart, so the hit rate is the steady state the locality theorem bounds.
-    Times are for the profiler (generate.py --profile, bench.py): the step's parts are ranges."""
+    Times are for the profiler (generate.py --profile, python -m bench): the step's parts are ranges."""
 
     def __init__(self, n_layer, unit_bytes, device):
         self.unit_bytes = unit_bytes

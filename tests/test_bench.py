@@ -1,16 +1,16 @@
-"""bench.py throughput on CPU (random weights, small sizes): the memory model, the locality bound
+"""python -m bench throughput on CPU (random weights, small sizes): the memory model, the locality bound
 in the measured hit rate, and the rows it reports. Speed is measured on the GPU, not here."""
 import pytest
 import torch
 
-import bench
+from bench.throughput import PHASES, bench_throughput
 from nosa import Config
 
 
 def test_throughput_bench_small():
     """On CPU, or on a GPU (where the bench keeps 2 GiB of the budget for activations)."""
     margin = 2 if torch.cuda.is_available() else 0
-    rows = bench.bench_throughput(shape="tiny", prompt_len=512, budget_gb=0.02 + margin, steps=4, warmup=1,
+    rows = bench_throughput(shape="tiny", prompt_len=512, budget_gb=0.02 + margin, steps=4, warmup=1,
                                   eager_steps=2)
     by = {r["system"]: r for r in rows}
     assert set(by) == {"full, resident cache", "infllmv2 + offload", "nosa + offload", "nosa, resident cache"}
@@ -24,6 +24,6 @@ def test_throughput_bench_small():
     assert 0 < nosa["mb_per_step"] <= round((cfg.k_q - 1) * nosa["batch"] * cfg.n_layer * cfg.H_kv * unit_mb, 2)
     for r in rows:
         assert r["tokens_s"] == pytest.approx(r["batch"] / r["step_ms"] * 1e3, rel=0.01)
-        assert all(r[f"{p}_ms"] >= 0 for p in bench.PHASES) and r["weights_ms"] > 0 and r["attention_ms"] > 0
+        assert all(r[f"{p}_ms"] >= 0 for p in PHASES) and r["weights_ms"] > 0 and r["attention_ms"] > 0
     assert by["full, resident cache"]["selection_ms"] == by["full, resident cache"]["transfer_ms"] == 0
     assert by["nosa + offload"]["transfer_ms"] > 0 and by["nosa + offload"]["mb_per_step"] > 0

@@ -1,0 +1,50 @@
+"""python -m bench WHAT: see bench/__init__.py."""
+import argparse
+import json
+import os
+
+import torch
+
+import checkpoint
+from bench import gather, kernels, quality
+from bench import throughput as throughput_
+
+
+def main(what, json_path=None, ckpts=os.path.join(checkpoint.ROOT, "out"), trained=False, **throughput):
+    if what == "quality":
+        rows = quality.bench_quality(ckpts)
+    elif what == "throughput":
+        rows = throughput_.bench_throughput(**throughput, ckpts=ckpts if trained else None)
+    else:
+        if not torch.cuda.is_available():
+            raise ValueError(f"bench {what} measures the GPU machine: no CUDA device here")
+        print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__}")
+        rows = dict(gather=gather.bench_gather, prefill=kernels.bench_prefill, decode=kernels.bench_decode,
+                    sdpa=kernels.bench_sdpa)[what]()
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(rows, f, indent=1)
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    print(" | ".join(keys))
+    for r in rows:
+        print(" | ".join(str(r.get(k, "")) for k in keys))
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(prog="python -m bench", description="NOSA / NOSI benchmarks (GPU)")
+    p.add_argument("what", choices=["gather", "prefill", "decode", "sdpa", "quality", "throughput"],
+                   help="which benchmark")
+    p.add_argument("--json", help="also write the rows to this file")
+    p.add_argument("--ckpts", default=os.path.join(checkpoint.ROOT, "out"),
+                   help="quality, throughput --trained: where train.py wrote tiny-nosa/, tiny-full/, ... (default: out/)")
+    p.add_argument("--shape", default="tiny", choices=sorted(throughput_.SHAPES), help="throughput: model shape")
+    p.add_argument("--prompt-len", type=int, default=4096, help="throughput: context before decoding")
+    p.add_argument("--budget-gb", type=float, default=24.0, help="throughput: GPU memory budget")
+    p.add_argument("--steps", type=int, default=256, help="throughput: timed decode steps")
+    p.add_argument("--host-gb", type=float, help="throughput: host memory budget (default: what is available)")
+    p.add_argument("--trained", action="store_true", help="throughput: the trained models in --ckpts, real prompts")
+    p.add_argument("--systems", default=",".join(throughput_.SYSTEMS), help=f"throughput: some of {','.join(throughput_.SYSTEMS)}")
+    a = p.parse_args()
+    kw = dict(shape=a.shape, prompt_len=a.prompt_len, budget_gb=a.budget_gb, steps=a.steps, host_gb=a.host_gb,
+              trained=a.trained, systems=a.systems.split(",")) if a.what == "throughput" else {}
+    checkpoint.run_cli(main, a.what, a.json, a.ckpts, **kw)

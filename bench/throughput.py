@@ -1,0 +1,167 @@
+"""Steady-state decode throughput at a fixed GPU memory budget, every system at its largest batch."""
+import time
+
+import torch
+
+import checkpoint
+import offload
+from bench import hbm_bandwidth, pinned_bandwidth
+from bench.quality import trained_path
+from nosa import Config
+
+
+SHAPES = {  # random-weight model shapes for the throughput benchmark
+    "tiny": ("tiny", {}),
+    "1b": ("paper", {}),
+    "8b": ("paper", dict(n_layer=32, dim=4096, H_q=32, H_kv=2, head_dim=128, hidden_dim=14336)),
+}
+PHASES = ("weights", "selection", "transfer", "attention")
+
+
+def split_by_phase(step, tok, n, cuda):
+    """n eager decode steps under torch.profiler: the device time (CPU time on a CPU) of the ranges the
+    step marks (record_function: selection, transfer, attention; the rest is the weights), per step in
+    ms, and the time of the gather kernels alone. Returns (tok, {phase: ms}, gather ms)."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            tok = step(tok)
+        if cuda:
+            torch.cuda.synchronize()
+        total = (time.perf_counter() - t0) * 1e3 / n
+    ev = {e.key: e for e in prof.key_averages()}
+    dev = lambda e: (e.device_time_total if cuda else e.cpu_time_total) / 1e3 / n
+    ms = {p: dev(ev[p]) if p in ev else 0.0 for p in PHASES[1:]}
+    ms["weights"] = max(total - sum(ms.values()), 0.0) if not cuda else \
+        sum(dev(e) for k, e in ev.items() if e.device_type.name == "CUDA") - sum(ms.values())
+    gather = sum(dev(e) for k, e in ev.items() if "gather_units" in k and (not cuda or e.device_type.name == "CUDA"))
+    return tok, ms, gather
+
+
+def real_prompts(tok, n, T):
+    """n windows of T tokens from the default corpus (train.py), spread over it."""
+    import train
+    ids = [i for _, text in train.documents() for i in tok.encode(text).ids]
+    starts = torch.linspace(0, len(ids) - T - 1, n).long().tolist()
+    return [ids[s:s + T] for s in starts]
+
+
+SYSTEMS = {"full": ("full, resident cache", "full", False),
+           "infllmv2-offload": ("infllmv2 + offload", "infllmv2", True),
+           "nosa-offload": ("nosa + offload", "nosa", True), "nosa-resident": ("nosa, resident cache", "nosa", False)}
+
+
+def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, warmup=8, batch_limit=256,
+                     host_gb=None, ckpts=None, eager_steps=8, systems=tuple(SYSTEMS)):
+    """Steady-state decode tokens/s at a fixed GPU memory budget. Each system gets the largest batch
+    whose weights + KV cache fit the budget (offload.max_batch, a 2 GiB margin for activations on a
+    GPU). With random weights (the default) the cache is filled with random K, V, c through the
+    prefill path, so the query-aware selection is random: hit rates are then the guaranteed bound's
+    worst case, not a trained model's. With ckpts (train.py's tiny models: DIR/tiny-{nosa,full,infllmv2})
+    the prompts are real text run through each trained model: real selections.
+    Per system: eager steps split by phase (weights, selection, transfer, attention: the profiler's
+    ranges), then the same step as a CUDA graph (generate.GraphedDecode)."""
+    from dataclasses import replace
+    from generate import GraphedDecode
+    from kvcache import KVCache
+    from model import Transformer
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cuda = dev == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    preset, over = SHAPES[shape]
+    max_len = prompt_len + 2 * eager_steps + warmup + steps + 2
+    base = Config.from_preset(preset, **over, max_seq_len=max_len)
+    hbm, pcie = (hbm_bandwidth(), pinned_bandwidth()) if cuda else (None, None)
+    if not ckpts:
+        print("random weights: the query-aware picks are random, so hit rates sit near the guaranteed bound "
+              "(hit_rate_bound), not at a trained model's")
+    host_budget = host_gb * 2**30 if host_gb else offload.host_bytes_available()
+    rows, prompts = [], None
+    for system, attn, use_offload in (SYSTEMS[s] for s in systems):
+        torch.manual_seed(0)
+        if ckpts:
+            model, tok = checkpoint.load(trained_path(ckpts, attn), dev, dtype, max_seq_len=max_len)
+            prompts = prompts or real_prompts(tok, batch_limit, prompt_len)  # one tokenizer for all of them
+        else:
+            with torch.device(dev):  # initialised where it runs: an 8B model would take minutes on the host
+                model = Transformer(replace(base, attn=attn)).to(dtype)
+        model.eval()
+        cfg = model.cfg
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        free = budget_gb * 2**30 - weights - (2 * 2**30 if cuda else 0)
+        Bz = min(batch_limit, offload.max_batch(cfg, max_len, dtype, free, host_budget if use_offload else None,
+                                                offload=use_offload))
+        row = dict(system=system, batch=Bz)
+        rows.append(row)
+        if Bz == 0:
+            continue
+        cache = (offload.OffloadCache(cfg, Bz, dev, dtype, max_len=max_len, host_budget=host_budget) if use_offload
+                 else KVCache(cfg, Bz, dev, dtype, max_len))
+        with torch.no_grad():
+            if ckpts:
+                for seq, p in enumerate(prompts[:Bz]):
+                    model(torch.tensor([p], device=dev), cache, seq=seq)
+            else:
+                for seq in range(Bz):
+                    for layer in range(cfg.n_layer):
+                        k, v = torch.randn(2, cfg.H_kv, prompt_len, cfg.head_dim, device=dev, dtype=dtype)
+                        c = torch.randn(cfg.H_kv, prompt_len, device=dev) if attn == "nosa" else None
+                        cache.prefill(layer, seq, k, v, c)
+            tok_ = torch.randint(0, cfg.vocab_size, (Bz,), device=dev)
+            step = lambda t: model.decode(t, cache).argmax(-1)
+            for _ in range(2):  # the first step after prefill gathers whole selections; first calls compile
+                tok_ = step(tok_)
+
+            def timed(fn, n):
+                nonlocal tok_
+                if cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    tok_ = fn(tok_)
+                if cuda:
+                    torch.cuda.synchronize()
+                return (time.perf_counter() - t0) / n
+
+            eager_s = timed(step, eager_steps)  # before: every kernel launched from Python
+            moved0 = cache.stats.moved.sum().item() if use_offload else 0
+            tok_, split, gather_ms = split_by_phase(step, tok_, eager_steps, cuda)
+            if use_offload:  # gather kernel time and bytes over the profiled steps
+                moved = (cache.stats.moved.sum().item() - moved0) * cache.stats.unit_bytes / eager_steps
+            graphed = GraphedDecode(model, cache)
+            gstep = lambda t: graphed(t).argmax(-1)
+            timed(gstep, warmup)  # warm-up, capture
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            needed0, moved0 = ((cache.stats.needed.sum().item(), cache.stats.moved.sum().item()) if use_offload
+                               else (0, 0))
+            graph_s = timed(gstep, steps)  # after: one graph replay per step
+        row.update(tokens_s=round(Bz / graph_s, 1), step_ms=round(graph_s * 1e3, 2),
+                   eager_step_ms=round(eager_s * 1e3, 2),
+                   graphed=graphed.graph is not None,
+                   **{f"{p}_ms": round(split[p], 2) for p in PHASES},
+                   gpu_mem_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None)
+        if use_offload:
+            needed = cache.stats.needed.sum().item() - needed0
+            # guaranteed resident, of the k - 1 selected non-tail blocks: nosa's k_e query-agnostic blocks
+            # (the locality theorem), infllmv2's sinks and window
+            resident = cfg.k_e if attn == "nosa" else cfg.n_sink + cfg.n_win
+            row.update(hit_rate=round(1 - (cache.stats.moved.sum().item() - moved0) / max(needed, 1), 3),
+                       hit_rate_bound=round(resident / (cfg.k - 1), 3),
+                       mb_per_step=round(moved / 1e6, 2), gather_ms=round(gather_ms, 3),
+                       pcie_gb_s=round(moved / gather_ms / 1e6, 1) if gather_ms > 0 else None)
+            if cuda:
+                row["gather_over_bound"] = round(gather_ms / (moved / pcie / 1e6), 2)  # bound: bytes / contiguous GB/s
+        if cuda and attn == "full":  # no full-attention step can beat reading the weights and the context once
+            kv = Bz * prompt_len * cfg.n_layer * cfg.H_kv * 2 * cfg.head_dim * torch.finfo(dtype).bits // 8
+            row["hbm_roofline_tokens_s"] = round(Bz / ((weights + kv) / hbm / 1e9), 1)
+        if cuda:
+            row.update(hbm_gb_s=round(hbm, 1), pcie_contiguous_gb_s=round(pcie, 1))
+        print(row, flush=True)
+        del cache, model, graphed
+        if cuda:
+            torch.cuda.empty_cache()
+            getattr(torch._C, "_host_emptyCache", lambda: None)()  # hand the pinned store back before the next one
+    return rows
