@@ -9,6 +9,7 @@ B block size, k selected blocks per (query, KV head), R = Bz·H_kv rows of the s
   sparse_attention   training, prefill, and decode against a resident cache; the selection comes
                      as a block mask (Bz, H_kv, T, nb).
   slot_attention     decode against the GPU slot pool of offload.py: k slots + the tail block.
+  dense_decode       full attention, one query per sequence, over a static cache (the baseline).
 
 Every kernel has its twin here, with the same signature; the twin is the CPU path and the oracle of
 the tests (tests/test_kernels.py, run under TRITON_INTERPRET=1 on CPU). Kernel design:
@@ -29,6 +30,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pooling import fp32
 
@@ -83,6 +85,22 @@ def slot_attention_torch(q, pool, slot_block, bias, pos, B):
     logit_add = torch.where(valid, logit_add, float("-inf"))[:, :, None]  # (Bz, H, 1, (k+1)B)
     o = attend(q.view(Bz, H, H_q // H, 1, d), keys, vals, logit_add)  # (Bz, H, G, 1, d)
     return o.reshape(Bz, H_q, 1, d).to(q.dtype)
+
+
+def dense_decode_torch(q, k, v, pos):
+    """Full attention for one query per sequence. q (Bz, H_q, 1, d) at positions pos (Bz,); k, v
+    (Bz, H_kv, S, d), keys past a sequence's position ignored. The G query heads of a KV head are G
+    rows of one SDPA call (flash where it applies), so K and V are read once, never copied G times;
+    a mask only where some key lies past its sequence's position."""
+    Bz, H_q, _, d = q.shape
+    H_kv, S = k.shape[1], k.shape[2]
+    mask = None
+    if int(pos.min()) != S - 1 or int(pos.max()) != S - 1:  # a host sync: this is the eager CPU path
+        mask = (torch.arange(S, device=q.device) <= pos[:, None])[:, None, None]  # (Bz, 1, 1, S)
+    # not cuDNN, which SDPA prefers here: 4.7x slower than flash for these shapes on an H200
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        o = F.scaled_dot_product_attention(q.reshape(Bz, H_kv, H_q // H_kv, d), k, v, attn_mask=mask)
+    return o.reshape(Bz, H_q, 1, d)
 
 
 # -----------------------------------------------------------------------------
@@ -248,8 +266,45 @@ def _slot_decode(Q, POOL, SLOT_BLOCK, C, POS, O, M, L, scale, S,
     tl.store(L + part, l_i)
 
 
+@triton.jit
+def _dense_decode(Q, K, V, POS, O, M, L, scale, S, H_kv: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                  D: tl.constexpr, BN: tl.constexpr, NSPLIT: tl.constexpr):
+    """Full attention of one query per row over its keys 0..pos, split over the keys (flash-decoding):
+    program (row, split) takes one contiguous chunk of the row's blocks of BN keys. The length is read
+    on the device, so one launch (and one CUDA graph) serves every step."""
+    r, sp = tl.program_id(0), tl.program_id(1)
+    offs_g, offs_d, offs_n = tl.arange(0, GP), tl.arange(0, D), tl.arange(0, BN)
+    q = tl.load(Q + (r * G + offs_g[:, None]) * D + offs_d[None, :], mask=(offs_g < G)[:, None], other=0.0)
+    pos = tl.load(POS + r // H_kv)
+    per = tl.cdiv(pos // BN + 1, NSPLIT)  # blocks per split
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    for j in range(sp * per, tl.minimum(sp * per + per, pos // BN + 1)):
+        tok = j * BN + offs_n
+        ok = tok <= pos
+        kv = (r * S + tok[:, None]) * D + offs_d[None, :]
+        kb = tl.load(K + kv, mask=ok[:, None], other=0.0)
+        vb = tl.load(V + kv, mask=ok[:, None], other=0.0)
+        s = tl.where(ok[None, :], tl.dot(q, tl.trans(kb)) * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
+        m_i = m_new
+    part = (r * NSPLIT + sp) * GP + offs_g
+    tl.store(O + part[:, None] * D + offs_d[None, :], acc)
+    tl.store(M + part, m_i)
+    tl.store(L + part, l_i)
+
+
 # -----------------------------------------------------------------------------
 # Launchers and dispatch
+
+
+def n_sm(x):  # multiprocessors of x's GPU (the interpreter on a CPU: an H200's 132)
+    return torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
 
 
 def _gp(G):
@@ -356,8 +411,7 @@ def slot_attention_triton(q, pool, slot_block, bias, pos, B, n_split=None):
     R, k1 = pool.shape[:2]
     H_kv = R // Bz
     G = H_q // H_kv
-    n_sm = torch.cuda.get_device_properties(q.device).multi_processor_count
-    n_split = n_split or max(1, min(k1, triton.cdiv(4 * n_sm, R)))  # a few programs per multiprocessor
+    n_split = n_split or max(1, min(k1, triton.cdiv(4 * n_sm(q), R)))  # a few programs per multiprocessor
     GP = _gp(G)
     o = torch.empty(R, n_split, GP, D, device=q.device, dtype=torch.float32)
     m = torch.empty(R, n_split, GP, device=q.device, dtype=torch.float32)
@@ -366,9 +420,34 @@ def slot_attention_triton(q, pool, slot_block, bias, pos, B, n_split=None):
     _slot_decode[(R, n_split)](q.contiguous(), pool, slot_block.contiguous(), c, pos.contiguous(), o, m, l,
                                1.0 / math.sqrt(D), c.shape[-1], H_kv=H_kv, G=G, GP=GP, D=D, B=B, K_SLOTS=k1 - 1,
                                NSPLIT=n_split, HAS_BIAS=bias is not None)
-    w = torch.exp(m - m.amax(1, keepdim=True))  # (R, n_split, GP) log-sum-exp merge of the splits
-    out = (w[..., None] * o).sum(1) / (w * l).sum(1)[..., None]  # (R, GP, D)
-    return out[:, :G].reshape(Bz, H_q, 1, D).to(q.dtype)
+    return merge_splits(o, m, l, G).reshape(Bz, H_q, 1, D).to(q.dtype)
+
+
+def merge_splits(o, m, l, G):
+    """Partial results of the splits (R, n_split, GP, D), their running max and sum (R, n_split, GP)
+    -> (R, G, D): each split's part weighted by exp(its max - the overall max) (log-sum-exp)."""
+    w = torch.exp(m - m.amax(1, keepdim=True))  # splits that saw no key have m = -inf: weight 0
+    return ((w[..., None] * o).sum(1) / (w * l).sum(1)[..., None])[:, :G]
+
+
+def dense_decode_triton(q, k, v, pos, n_split=None, BN=64):
+    Bz, H_q, _, D = q.shape
+    H_kv, S = k.shape[1], k.shape[2]
+    R, G = Bz * H_kv, H_q // H_kv
+    n_split = n_split or max(1, min(triton.cdiv(S, BN), triton.cdiv(2 * n_sm(q), R)))  # fill the GPU at any batch
+    GP = _gp(G)
+    o = torch.empty(R, n_split, GP, D, device=q.device, dtype=torch.float32)
+    m = torch.empty(R, n_split, GP, device=q.device, dtype=torch.float32)
+    l = torch.empty_like(m)
+    _dense_decode[(R, n_split)](q.contiguous(), k, v, pos.contiguous(), o, m, l, 1.0 / math.sqrt(D), S, H_kv=H_kv,
+                                G=G, GP=GP, D=D, BN=BN, NSPLIT=n_split, num_warps=4)
+    return merge_splits(o, m, l, G).reshape(Bz, H_q, 1, D).to(q.dtype)
+
+
+def dense_decode(q, k, v, pos):
+    if use_triton(q, 64):
+        return dense_decode_triton(q, k, v, pos)
+    return dense_decode_torch(q, k, v, pos)
 
 
 def slot_attention(q, pool, slot_block, bias, pos, B):

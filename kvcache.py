@@ -15,8 +15,6 @@ memory and only the selected ones on the GPU (NOSI). Both share Cache (the lengt
 SubBlockCache (the pooled caches).
 """
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import record_function
 
 import attention
@@ -139,9 +137,9 @@ class KVCache(Cache):
 
     def capacity(self):
         """Positions below which a decode step keeps its shapes (GraphedDecode); 0: they change every step."""
-        return self.max_len if self.max_len and self.cfg.sparse else 0
+        return self.max_len or 0
 
-    def S(self):  # tokens attention spans: all preallocated ones in sparse modes, else exactly the context
+    def S(self):  # tokens attention spans: all preallocated ones (static shapes), else exactly the context
         return max(self.capacity(), int(self.len_cpu.max()) + 1)
 
     def n_blocks(self):  # the blocks selection ranges over
@@ -162,7 +160,7 @@ class KVCache(Cache):
         S = self.S()
         with record_function("attention"):
             if not self.cfg.sparse:
-                return self._dense_decode(layer, q, S)
+                return attention.dense_decode(q, self.k[layer][:, :, :S], self.v[layer][:, :, :S], self.len)
             bias = eviction.attention_bias(self.c[layer][:, :, :S], self.cfg.attn) if self.cfg.eviction_head else None
             return attention.sparse_attention(q, self.k[layer][:, :, :S], self.v[layer][:, :, :S], bias, block_mask,
                                               self.len[:, None], self.cfg)
@@ -171,18 +169,3 @@ class KVCache(Cache):
         self.k[layer], self.v[layer] = grow(self.k[layer], n, 2), grow(self.v[layer], n, 2)
         if self.cfg.eviction_head:
             self.c[layer] = grow(self.c[layer], n, 2)
-
-    def _dense_decode(self, layer, q, S):
-        """Full attention, one query per sequence: the G query heads of a KV head are G rows of one
-        SDPA call (flash, splitting the keys when the batch is small), so K and V are read once and
-        never copied G times; a mask only where sequences differ in length."""
-        Bz, H_q, _, d = q.shape
-        H_kv = self.cfg.H_kv
-        mask = None
-        if int(self.len_cpu.min()) != int(self.len_cpu.max()):
-            mask = (torch.arange(S, device=q.device) <= self.len[:, None])[:, None, None]  # (Bz, 1, 1, S)
-        # not cuDNN, which SDPA prefers here: 4.7x slower than flash for these shapes on an H200 (BENCHMARKS.md)
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-            o = F.scaled_dot_product_attention(q.reshape(Bz, H_kv, H_q // H_kv, d), self.k[layer][:, :, :S],
-                                               self.v[layer][:, :, :S], attn_mask=mask)
-        return o.reshape(Bz, H_q, 1, d)

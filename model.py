@@ -50,11 +50,16 @@ def rope_frequencies(cfg, device):
     return (1 - smooth) * inv_freq / factor + smooth * inv_freq
 
 
-def apply_rope(x, pos, inv_freq):
-    """Rotary embedding in the Hugging Face (rotate-half) layout. x (Bz, H, T, d), pos (Bz, T)."""
-    d = x.shape[-1]
-    ang = pos[:, None, :, None].to(torch.float64) * inv_freq  # (Bz, 1, T, d/2), in fp64: positions reach 1e5+
-    cos, sin = (f(ang).to(pooling.fp32(x).dtype).repeat(1, 1, 1, 2) for f in (torch.cos, torch.sin))  # (Bz, 1, T, d)
+def rope_tables(pos, inv_freq, dtype):
+    """cos and sin (Bz, 1, T, d) of the rotation angles pos * inv_freq, computed in fp64 (positions
+    reach 1e5 and more) once per forward or decode step and shared by every layer. pos (Bz, T)."""
+    ang = pos[:, None, :, None].to(torch.float64) * inv_freq  # (Bz, 1, T, d/2)
+    return tuple(f(ang).to(dtype).repeat(1, 1, 1, 2) for f in (torch.cos, torch.sin))
+
+
+def apply_rope(x, rope):
+    """Rotary embedding in the Hugging Face (rotate-half) layout. x (Bz, H, T, d), rope = (cos, sin)."""
+    d, (cos, sin) = x.shape[-1], rope
     xf = pooling.fp32(x)
     rot = torch.cat((-xf[..., d // 2:], xf[..., : d // 2]), dim=-1)
     return (xf * cos + rot * sin).to(x.dtype)
@@ -73,31 +78,30 @@ class Attention(nn.Module):
             self.delta = nn.Linear(cfg.H_kv * d, cfg.H_kv, bias=False)
             self.A = nn.Parameter(torch.zeros(cfg.H_kv))
 
-    def qkvc(self, x, pos):
-        """Projections, RoPE on q and k, and the eviction score c. x (Bz, T, dim), pos (Bz, T)."""
+    def qkvc(self, x, rope):
+        """Projections, RoPE on q and k, and the eviction score c. x (Bz, T, dim), rope (cos, sin)."""
         cfg, (Bz, T, _) = self.cfg, x.shape
         q = self.q_proj(x).view(Bz, T, cfg.H_q, cfg.head_dim).transpose(1, 2)  # (Bz, H_q, T, d)
         k = self.k_proj(x).view(Bz, T, cfg.H_kv, cfg.head_dim).transpose(1, 2)  # (Bz, H_kv, T, d)
         v = self.v_proj(x).view(Bz, T, cfg.H_kv, cfg.head_dim).transpose(1, 2)  # (Bz, H_kv, T, d)
-        inv_freq = rope_frequencies(cfg, x.device)
-        q, k = apply_rope(q, pos, inv_freq), apply_rope(k, pos, inv_freq)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
         c = eviction.eviction_score(v, self.A, self.delta.weight) if cfg.eviction_head else None  # (Bz, H_kv, T)
         return q, k, v, c
 
-    def forward(self, x, layer, cache=None, seq=None):
+    def forward(self, x, layer, rope, cache=None, seq=None):
         """Parallel forward from position 0; with a cache, also write sequence `seq` into it (prefill)."""
         Bz, T, _ = x.shape
-        q, k, v, c = self.qkvc(x, torch.arange(T, device=x.device).expand(Bz, T))
+        q, k, v, c = self.qkvc(x, rope)
         o, _ = nosa.nosa_attention(q, k, v, c, self.cfg)  # (Bz, H_q, T, d)
         if cache is not None:  # prefill: one sequence (Bz = 1) into row `seq` of the cache
             cache.prefill(layer, seq, k[0], v[0], None if c is None else c[0])
         return self.o_proj(o.transpose(1, 2).reshape(Bz, T, -1))
 
-    def decode(self, x, layer, cache):
+    def decode(self, x, layer, rope, cache):
         """One token per sequence: x (Bz, 1, dim), each sequence at its own position cache.len."""
         cfg, Bz = self.cfg, x.shape[0]
         pos = cache.len  # (Bz,)
-        q, k, v, c = self.qkvc(x, pos[:, None])
+        q, k, v, c = self.qkvc(x, rope)
         cache.append(layer, k[:, :, 0], v[:, :, 0], None if c is None else c[:, :, 0])
         block_mask = None
         if cfg.sparse:
@@ -127,9 +131,9 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, layer, cache=None, seq=None, decode=False):
+    def forward(self, x, layer, rope, cache=None, seq=None, decode=False):
         h = self.input_layernorm(x)
-        h = self.self_attn.decode(h, layer, cache) if decode else self.self_attn(h, layer, cache, seq)
+        h = self.self_attn.decode(h, layer, rope, cache) if decode else self.self_attn(h, layer, rope, cache, seq)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -145,6 +149,12 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.apply(self._init_weights)
+        self.inv_freq = None  # RoPE frequencies, made once on the device of the first call
+
+    def rope(self, pos, dtype):
+        if self.inv_freq is None or self.inv_freq.device != pos.device:
+            self.inv_freq = rope_frequencies(self.cfg, pos.device)
+        return rope_tables(pos, self.inv_freq, torch.promote_types(dtype, torch.float32))
 
     @staticmethod
     def _init_weights(m):
@@ -159,15 +169,18 @@ class Transformer(nn.Module):
         if idx.shape[1] > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {idx.shape[1]} tokens is longer than max_seq_len={self.cfg.max_seq_len}")
         x = self.embed_tokens(idx)
+        Bz, T = idx.shape
+        rope = self.rope(torch.arange(T, device=idx.device).expand(Bz, T), x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, i, cache, seq)
+            x = layer(x, i, rope, cache, seq)
         return self.lm_head(self.norm(x))
 
     def decode(self, tok, cache):
         """One step: tok (Bz,) the next token of every sequence -> logits (Bz, vocab)."""
         x = self.embed_tokens(tok[:, None])  # (Bz, 1, dim)
+        rope = self.rope(cache.len[:, None], x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, i, cache, decode=True)
+            x = layer(x, i, rope, cache, decode=True)
         cache.advance()
         return self.lm_head(self.norm(x))[:, 0]
 

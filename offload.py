@@ -230,14 +230,17 @@ class Stats:
 def cache_bytes(cfg, Bz, max_len, dtype, offload=True):
     """(GPU bytes, host bytes) of the KV cache of Bz sequences of up to max_len tokens: with offload,
     k + 1 slots of K and V per (sequence, layer, KV head) on the GPU and every block in host memory;
-    without, every block on the GPU. Both keep the eviction scores c (fp32) and the pooled caches
-    K̃, c̃ on the GPU. The weights are not counted."""
+    without, all of K and V on the GPU (kvcache.KVCache). Besides, on the GPU, what the mode needs:
+    the eviction scores c (fp32; nosa, dma) and the pooled caches K̃, c̃ (sparse modes); full attention
+    needs neither. The weights are not counted."""
     L, H, B, d, k = cfg.n_layer, cfg.H_kv, cfg.B, cfg.head_dim, cfg.k
     elt = torch.empty((), dtype=dtype).element_size()
     unit = 2 * B * d * elt  # one block of K and V
-    blocks = L * Bz * H * math.ceil(max_len / B) * unit
-    side = L * Bz * H * (max_len * 4 + (max_len // cfg.s_c + 1) * (d * elt + 4))
-    return (L * Bz * H * (k + 1) * unit + side, blocks) if offload else (blocks + side, 0)
+    side = L * Bz * H * ((max_len * 4 if cfg.eviction_head else 0) +
+                         ((max_len // cfg.s_c + 1) * (d * elt + 4) if cfg.sparse else 0))
+    if not offload:
+        return L * Bz * H * max_len * 2 * d * elt + side, 0
+    return L * Bz * H * (k + 1) * unit + side, L * Bz * H * math.ceil(max_len / B) * unit
 
 
 def max_batch(cfg, max_len, dtype, gpu_budget, host_budget=None, offload=True, limit=4096):

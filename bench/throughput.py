@@ -40,6 +40,37 @@ def split_by_phase(step, tok, n, cuda):
     return tok, ms, gather
 
 
+def fill_random(cache, cfg, Bz, prompt_len, dev, dtype):
+    """Prompts of random K, V and c through the prefill path, as if the model had read them."""
+    for seq in range(Bz):
+        for layer in range(cfg.n_layer):
+            k, v = torch.randn(2, cfg.H_kv, prompt_len, cfg.head_dim, device=dev, dtype=dtype)
+            c = torch.randn(cfg.H_kv, prompt_len, device=dev) if cfg.eviction_head else None
+            cache.prefill(layer, seq, k, v, c)
+
+
+@torch.no_grad()
+def activation_bytes(model, new_cache, prompt_len):
+    """(a0, a1): GPU memory a graphed decode step needs beyond weights and cache, a0 + a1 * batch,
+    from the measured peaks at batch 1 and 2 (prefill, eager steps, capture and replay)."""
+    from generate import GraphedDecode
+    peaks = []
+    for n in (1, 2):
+        cache = new_cache(n)
+        fill_random(cache, model.cfg, n, prompt_len, "cuda", model.embed_tokens.weight.dtype)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step, tok = GraphedDecode(model, cache), torch.zeros(n, dtype=torch.long, device="cuda")
+        for _ in range(4):  # eager, eager (warm-up), capture + replay, replay
+            tok = step(tok).argmax(-1)
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+        del cache, step
+        torch.cuda.empty_cache()
+    return 2 * peaks[0] - peaks[1], max(peaks[1] - peaks[0], 0)
+
+
 def real_prompts(tok, n, T):
     """n windows of T tokens from the default corpus (train.py), spread over it."""
     import train
@@ -56,8 +87,9 @@ SYSTEMS = {"full": ("full, resident cache", "full", False),
 def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, warmup=8, batch_limit=256,
                      host_gb=None, ckpts=None, eager_steps=8, systems=tuple(SYSTEMS)):
     """Steady-state decode tokens/s at a fixed GPU memory budget. Each system gets the largest batch
-    whose weights + KV cache fit the budget (offload.max_batch, a 2 GiB margin for activations on a
-    GPU). With random weights (the default) the cache is filled with random K, V, c through the
+    whose weights + KV cache (offload.cache_bytes) + activations fit the budget, the activations
+    measured: the peak of a graphed step at batch 1 and 2 beyond the cache, extrapolated linearly
+    (activation_bytes); the peak of the timed run is reported beside the budget. With random weights (the default) the cache is filled with random K, V, c through the
     prefill path, so the query-aware selection is random: hit rates are then the guaranteed bound's
     worst case, not a trained model's. With ckpts (train.py's tiny models: DIR/tiny-{nosa,full,infllmv2})
     the prompts are real text run through each trained model: real selections.
@@ -90,25 +122,27 @@ def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, w
         model.eval()
         cfg = model.cfg
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
-        free = budget_gb * 2**30 - weights - (2 * 2**30 if cuda else 0)
-        Bz = min(batch_limit, offload.max_batch(cfg, max_len, dtype, free, host_budget if use_offload else None,
+        new_cache = lambda n: (offload.OffloadCache(cfg, n, dev, dtype, max_len=max_len, host_budget=host_budget)
+                               if use_offload else KVCache(cfg, n, dev, dtype, max_len))
+        act0, act1 = activation_bytes(model, new_cache, prompt_len) if cuda else (0, 0)
+        free = budget_gb * 2**30 - weights
+        Bz = min(batch_limit, offload.max_batch(cfg, max_len, dtype, free - act0, host_budget if use_offload else None,
                                                 offload=use_offload))
+        while Bz and offload.cache_bytes(cfg, Bz, max_len, dtype, use_offload)[0] + act0 + act1 * Bz > free:
+            Bz -= 1
         row = dict(system=system, batch=Bz)
         rows.append(row)
         if Bz == 0:
             continue
-        cache = (offload.OffloadCache(cfg, Bz, dev, dtype, max_len=max_len, host_budget=host_budget) if use_offload
-                 else KVCache(cfg, Bz, dev, dtype, max_len))
+        cache = new_cache(Bz)
         with torch.no_grad():
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
             if ckpts:
                 for seq, p in enumerate(prompts[:Bz]):
                     model(torch.tensor([p], device=dev), cache, seq=seq)
             else:
-                for seq in range(Bz):
-                    for layer in range(cfg.n_layer):
-                        k, v = torch.randn(2, cfg.H_kv, prompt_len, cfg.head_dim, device=dev, dtype=dtype)
-                        c = torch.randn(cfg.H_kv, prompt_len, device=dev) if attn == "nosa" else None
-                        cache.prefill(layer, seq, k, v, c)
+                fill_random(cache, cfg, Bz, prompt_len, dev, dtype)
             tok_ = torch.randint(0, cfg.vocab_size, (Bz,), device=dev)
             step = lambda t: model.decode(t, cache).argmax(-1)
             for _ in range(2):  # the first step after prefill gathers whole selections; first calls compile
@@ -133,8 +167,6 @@ def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, w
             graphed = GraphedDecode(model, cache)
             gstep = lambda t: graphed(t).argmax(-1)
             timed(gstep, warmup)  # warm-up, capture
-            if cuda:
-                torch.cuda.reset_peak_memory_stats()
             needed0, moved0 = ((cache.stats.needed.sum().item(), cache.stats.moved.sum().item()) if use_offload
                                else (0, 0))
             graph_s = timed(gstep, steps)  # after: one graph replay per step
@@ -142,7 +174,8 @@ def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, w
                    eager_step_ms=round(eager_s * 1e3, 2),
                    graphed=graphed.graph is not None,
                    **{f"{p}_ms": round(split[p], 2) for p in PHASES},
-                   gpu_mem_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None)
+                   gpu_peak_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+                   act_mb=round((act0 + act1 * Bz) / 2**20, 1))
         if use_offload:
             needed = cache.stats.needed.sum().item() - needed0
             # guaranteed resident, of the k - 1 selected non-tail blocks: nosa's k_e query-agnostic blocks
@@ -154,9 +187,15 @@ def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, w
                        pcie_gb_s=round(moved / gather_ms / 1e6, 1) if gather_ms > 0 else None)
             if cuda:
                 row["gather_over_bound"] = round(gather_ms / (moved / pcie / 1e6), 2)  # bound: bytes / contiguous GB/s
-        if cuda and attn == "full":  # no full-attention step can beat reading the weights and the context once
-            kv = Bz * prompt_len * cfg.n_layer * cfg.H_kv * 2 * cfg.head_dim * torch.finfo(dtype).bits // 8
-            row["hbm_roofline_tokens_s"] = round(Bz / ((weights + kv) / hbm / 1e9), 1)
+        if cuda:  # the bound: what the step must read from HBM, and move over PCIe, at the measured bandwidths
+            elt, rows_ = torch.finfo(dtype).bits // 8, Bz * cfg.n_layer * cfg.H_kv
+            if not cfg.sparse:  # every cached token's K and V
+                kv = rows_ * prompt_len * 2 * cfg.head_dim * elt
+            else:  # the k selected blocks' K, V and bias, and the compressed keys scoring reads
+                kv = rows_ * (cfg.k * cfg.B * (2 * cfg.head_dim * elt + 4) + prompt_len // cfg.s_c * cfg.head_dim * elt)
+            bound_ms = (weights + kv) / hbm / 1e6 + (moved / pcie / 1e6 if use_offload else 0.0)
+            row.update(bound_ms=round(bound_ms, 2), step_over_bound=round(graph_s * 1e3 / bound_ms, 2),
+                       hbm_share=round((weights + kv) / graph_s / 1e9 / hbm, 3))
         if cuda:
             row.update(hbm_gb_s=round(hbm, 1), pcie_contiguous_gb_s=round(pcie, 1))
         print(row, flush=True)

@@ -131,7 +131,7 @@ def test_scaled_rope_against_its_formula(scaling):
     """Each frequency and the rotation of random q at random positions against the formulas, written
     out one frequency at a time."""
     import math
-    from model import apply_rope, rope_frequencies
+    from model import apply_rope, rope_frequencies, rope_tables
     from nosa import Config
     cfg = Config.from_preset("tiny", head_dim=64, rope_theta=5e5, rope_scaling=scaling)
     got = rope_frequencies(cfg, "cpu")
@@ -155,7 +155,7 @@ def test_scaled_rope_against_its_formula(scaling):
     if scaling is not None:
         assert not torch.allclose(got, rope_frequencies(Config.from_preset("tiny", head_dim=64, rope_theta=5e5), "cpu"))
     x, pos = torch.randn(2, 3, 5, 64, dtype=torch.float64), torch.randint(0, 100000, (2, 5))
-    y = apply_rope(x, pos, got)
+    y = apply_rope(x, rope_tables(pos, got, torch.float64))
     for b, h, t in ((0, 0, 0), (1, 2, 4), (1, 1, 2)):
         for i in (0, 7, 31):
             a = pos[b, t].item() * got[i].item()
