@@ -267,7 +267,7 @@ def _slot_decode(Q, POOL, SLOT_BLOCK, C, POS, O, M, L, scale, S,
 
 
 @triton.jit
-def _dense_decode(Q, K, V, POS, O, M, L, scale, S, H_kv: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+def _dense_decode(Q, K, V, POS, O, M, L, scale, ROW, H_kv: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                   D: tl.constexpr, BN: tl.constexpr, NSPLIT: tl.constexpr):
     """Full attention of one query per row over its keys 0..pos, split over the keys (flash-decoding):
     program (row, split) takes one contiguous chunk of the row's blocks of BN keys. The length is read
@@ -283,7 +283,7 @@ def _dense_decode(Q, K, V, POS, O, M, L, scale, S, H_kv: tl.constexpr, G: tl.con
     for j in range(sp * per, tl.minimum(sp * per + per, pos // BN + 1)):
         tok = j * BN + offs_n
         ok = tok <= pos
-        kv = (r * S + tok[:, None]) * D + offs_d[None, :]
+        kv = r * ROW + tok[:, None] * D + offs_d[None, :]
         kb = tl.load(K + kv, mask=ok[:, None], other=0.0)
         vb = tl.load(V + kv, mask=ok[:, None], other=0.0)
         s = tl.where(ok[None, :], tl.dot(q, tl.trans(kb)) * scale, float("-inf"))
@@ -431,15 +431,18 @@ def merge_splits(o, m, l, G):
 
 
 def dense_decode_triton(q, k, v, pos, n_split=None, BN=64):
+    """k, v may be the first S positions of a longer buffer (Bz, H_kv, capacity, d): rows are read
+    at their stride."""
     Bz, H_q, _, D = q.shape
     H_kv, S = k.shape[1], k.shape[2]
+    assert k.stride() == v.stride() and k.stride()[2:] == (D, 1) and k.stride(0) == H_kv * k.stride(1)
     R, G = Bz * H_kv, H_q // H_kv
     n_split = n_split or max(1, min(triton.cdiv(S, BN), triton.cdiv(2 * n_sm(q), R)))  # fill the GPU at any batch
     GP = _gp(G)
     o = torch.empty(R, n_split, GP, D, device=q.device, dtype=torch.float32)
     m = torch.empty(R, n_split, GP, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
-    _dense_decode[(R, n_split)](q.contiguous(), k, v, pos.contiguous(), o, m, l, 1.0 / math.sqrt(D), S, H_kv=H_kv,
+    _dense_decode[(R, n_split)](q.contiguous(), k, v, pos.contiguous(), o, m, l, 1.0 / math.sqrt(D), k.stride(1), H_kv=H_kv,
                                 G=G, GP=GP, D=D, BN=BN, NSPLIT=n_split, num_warps=4)
     return merge_splits(o, m, l, G).reshape(Bz, H_q, 1, D).to(q.dtype)
 

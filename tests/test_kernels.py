@@ -100,7 +100,7 @@ def test_dense_decode_kernel_matches_twin(G, d):
     ignored (they hold noise here), any number of splits."""
     Bz, H_kv, S = 3, 2, 300
     q = torch.randn(Bz, H_kv * G, 1, d, device=DEV)
-    k, v = torch.randn(2, Bz, H_kv, S, d, device=DEV)
+    k, v = torch.randn(2, Bz, H_kv, S + 50, d, device=DEV)[..., :S, :]  # the first S of a longer buffer
     pos = torch.tensor([0, 130, S - 1], device=DEV)
     want = attention.dense_decode_torch(q, k, v, pos)
     for n_split in (1, 3, 7):
