@@ -7,7 +7,8 @@
 // set_difference: per row, given the blocks the new selection needs (ascending block ids, -1 padded)
 //   and the tables slot -> block and block -> slot, free the slots whose block is no longer needed,
 //   give the i-th missing block the i-th free slot, and write fetch[row, slot] = block to load (or -1).
-//   One thread per row: k is small (64) and the work is a few table look-ups.
+//   One CUDA block per row and one thread per slot: each evicts or keeps its own slot (a binary search
+//   of the need list), then ranks give the i-th miss the i-th free slot, all in shared memory.
 // gather_units: for every (row, slot) with fetch >= 0, copy host[row, fetch] -> pool[row, slot].
 //   The host store is pinned, so with unified virtual addressing a kernel reads it directly through
 //   its device pointer (cudaHostGetDevicePointer): one launch moves every missed block of a layer
@@ -22,36 +23,60 @@
 
 namespace {
 
+constexpr int MAX_K = 1024;  // slots per row the set difference handles (one thread each)
+
 __global__ void set_difference_kernel(const int64_t* __restrict__ need,  // (R, n_need) ascending, -1 pad
                                       int64_t* __restrict__ slot_block,  // (R, k)
                                       int64_t* __restrict__ block_slot,  // (R, cap)
                                       int64_t* __restrict__ fetch,       // (R, k) out
-                                      int64_t R, int64_t n_need, int64_t k, int64_t cap) {
-  int64_t r = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
-  if (r >= R) return;
-  const int64_t* nd = need + r * n_need;
+                                      int64_t n_need, int64_t k, int64_t cap) {
+  // one CUDA block per row, one thread per slot (and per entry of the need list)
+  __shared__ int64_t nd[MAX_K];
+  __shared__ int free_slots[MAX_K];
+  __shared__ bool is_free[MAX_K], is_miss[MAX_K];
+  const int64_t r = blockIdx.x;
+  const int t = threadIdx.x;
   int64_t* sb = slot_block + r * k;
   int64_t* bs = block_slot + r * cap;
-  int64_t* f = fetch + r * k;
-  // 1. evict: a resident block that is not needed any more frees its slot
-  for (int64_t s = 0; s < k; ++s) {
-    f[s] = -1;
-    int64_t b = sb[s];
-    if (b < 0) continue;
-    bool needed = false;
-    for (int64_t i = 0; i < n_need && nd[i] >= 0 && nd[i] <= b; ++i) needed |= (nd[i] == b);
-    if (!needed) { bs[b] = -1; sb[s] = -1; }
+  if (t < n_need) nd[t] = need[r * n_need + t];
+  __syncthreads();
+  // 1. evict: a resident block that is not needed any more frees its slot (binary search of the list)
+  if (t < k) {
+    fetch[r * k + t] = -1;
+    int64_t b = sb[t];
+    if (b >= 0) {
+      int lo = 0, hi = n_need;  // first entry >= b; -1 padding sorts last in our lists
+      while (lo < hi) {
+        int mid = (lo + hi) / 2;
+        if (nd[mid] >= 0 && nd[mid] < b) lo = mid + 1; else hi = mid;
+      }
+      if (!(lo < n_need && nd[lo] == b)) { bs[b] = -1; sb[t] = -1; }
+    }
   }
-  // 2. misses, in ascending block order, take free slots in ascending slot order
-  int64_t s = 0;
-  for (int64_t i = 0; i < n_need; ++i) {
-    int64_t b = nd[i];
-    if (b < 0) break;
-    if (bs[b] >= 0) continue;  // hit
-    while (s < k && sb[s] >= 0) ++s;
-    if (s == k) break;  // cannot happen when the selection respects the slot count (checked by the caller's sizes)
-    sb[s] = b; bs[b] = s; f[s] = b;
+  __syncthreads();
+  // 2. the free slots in ascending order, and the misses in ascending block order: the i-th miss
+  //    takes the i-th free slot (ranks by counting flags in shared memory: k is small)
+  if (t < k) is_free[t] = sb[t] < 0;
+  if (t < n_need) is_miss[t] = nd[t] >= 0 && bs[nd[t]] < 0;
+  __syncthreads();
+  if (t < k && is_free[t]) {
+    int rank = 0;
+    for (int s = 0; s < t; ++s) rank += is_free[s];
+    free_slots[rank] = t;
   }
+  __syncthreads();
+  if (t < n_need && is_miss[t]) {
+    int rank = 0, n_free = 0;
+    for (int i = 0; i < t; ++i) rank += is_miss[i];
+    for (int s = 0; s < k; ++s) n_free += is_free[s];
+    if (rank < n_free) {  // always, when the selection respects the slot count
+      int s = free_slots[rank];
+      fetch[r * k + s] = nd[t];
+      sb[s] = nd[t];
+    }
+  }
+  __syncthreads();
+  if (t < k && is_free[t] && sb[t] >= 0) bs[sb[t]] = t;  // block -> slot for the blocks that just arrived
 }
 
 constexpr int THREADS = 256;
@@ -128,10 +153,12 @@ void set_difference(torch::Tensor need, torch::Tensor slot_block, torch::Tensor 
   TORCH_CHECK(need.is_contiguous() && slot_block.is_contiguous() && block_slot.is_contiguous() && fetch.is_contiguous(),
               "contiguous tensors expected");
   int64_t R = slot_block.size(0), k = slot_block.size(1);
+  TORCH_CHECK(k <= MAX_K && need.size(1) <= k, "uva_copy: at most ", MAX_K, " slots per row, and no more needed blocks");
   if (R == 0) return;
-  set_difference_kernel<<<(R + 127) / 128, 128, 0, at::cuda::getCurrentCUDAStream()>>>(
+  int threads = (int)((k + 31) / 32 * 32);
+  set_difference_kernel<<<R, threads, 0, at::cuda::getCurrentCUDAStream()>>>(
       need.data_ptr<int64_t>(), slot_block.data_ptr<int64_t>(), block_slot.data_ptr<int64_t>(),
-      fetch.data_ptr<int64_t>(), R, need.size(1), k, block_slot.size(1));
+      fetch.data_ptr<int64_t>(), need.size(1), k, block_slot.size(1));
   CHECK_CUDA(cudaGetLastError());
 }
 
