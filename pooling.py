@@ -151,10 +151,75 @@ def query_aware_scores_triton(q, K_sub, q_pos, nb, cfg):
     return torch.maximum(own, F.pad(last, (1, 0), value=float("-inf"))[..., :nb])
 
 
+@triton.jit
+def _qscore1_stats(Q, KS, QPOS, S_OUT, MX, SM, scale, M, NC, H_kv: tl.constexpr, G: tl.constexpr,
+                   GP: tl.constexpr, D: tl.constexpr, CM: tl.constexpr, S_C: tl.constexpr, L_C: tl.constexpr):
+    """Decode (T = 1), pass 1, key-parallel: program (row, chunk) scores the query's G heads against
+    CM compressed keys, keeps the logits and the chunk's softmax statistics (max, sum of exp) per head."""
+    r, c = tl.program_id(0), tl.program_id(1)
+    offs_g, offs_d, offs_m = tl.arange(0, GP), tl.arange(0, D), c * CM + tl.arange(0, CM)
+    q = tl.load(Q + (r * G + offs_g[:, None]) * D + offs_d[None, :], mask=(offs_g < G)[:, None], other=0.0)
+    pos = tl.load(QPOS + r // H_kv)
+    ks = tl.load(KS + (r * M + offs_m[:, None]) * D + offs_d[None, :], mask=(offs_m < M)[:, None], other=0.0)
+    vis = (offs_m < M) & (offs_m * S_C + L_C - 1 <= pos)  # the sub-block lies wholly in the past
+    s = tl.where(vis[None, :], tl.dot(q, tl.trans(ks)) * scale, float("-inf"))  # (GP, CM)
+    tl.store(S_OUT + (r * GP + offs_g[:, None]) * M + offs_m[None, :], s, mask=(offs_m < M)[None, :])
+    mx = tl.max(s, 1)
+    sm = tl.sum(tl.exp(s - tl.where(mx == float("-inf"), 0.0, mx)[:, None]), 1)
+    tl.store(MX + (r * NC + c) * GP + offs_g, mx)
+    tl.store(SM + (r * NC + c) * GP + offs_g, sm)
+
+
+@triton.jit
+def _qscore1_blocks(S_IN, MX, SM, OUT, M, NB, NC, G: tl.constexpr, GP: tl.constexpr, NCP: tl.constexpr,
+                    NBT: tl.constexpr, R_SUB: tl.constexpr, P_OVER: tl.constexpr, RP: tl.constexpr):
+    """Decode (T = 1), pass 2: program (row, block chunk) merges the softmax statistics of all chunks,
+    forms P[m] = Σ_g softmax_m for the sub-blocks of its NBT blocks and max-pools them to blocks."""
+    r, cb = tl.program_id(0), tl.program_id(1)
+    offs_g, offs_c = tl.arange(0, GP), tl.arange(0, NCP)
+    st = (r * NC + offs_c[None, :]) * GP + offs_g[:, None]  # (GP, NCP)
+    mx = tl.load(MX + st, mask=(offs_c < NC)[None, :], other=float("-inf"))
+    sm = tl.load(SM + st, mask=(offs_c < NC)[None, :], other=0.0)
+    m_g = tl.max(mx, 1)
+    m_g = tl.where(m_g == float("-inf"), 0.0, m_g)  # a head that sees nothing: P = 0
+    l_g = tl.sum(sm * tl.exp(mx - m_g[:, None]), 1)
+    l_g = tl.where(l_g > 0, l_g, 1.0)
+    blk, j = cb * NBT + tl.arange(0, NBT), tl.arange(0, RP)
+    m = blk[:, None] * R_SUB - P_OVER + j[None, :]  # (NBT, RP) the sub-blocks that overlap each block
+    ok = (j[None, :] < R_SUB + P_OVER) & (m >= 0) & (m < M) & (blk < NB)[:, None]
+    s = tl.load(S_IN + (r * GP + offs_g[:, None, None]) * M + m[None, :, :],
+                mask=ok[None, :, :] & (offs_g < G)[:, None, None], other=float("-inf"))  # (GP, NBT, RP)
+    P = tl.sum(tl.exp(s - m_g[:, None, None]) / l_g[:, None, None], 0)  # (NBT, RP)
+    P = tl.where(ok, P, float("-inf"))
+    tl.store(OUT + r * NB + blk, tl.max(P, 1), mask=blk < NB)
+
+
+def query_aware_scores_decode(q, K_sub, q_pos, nb, cfg, CM=128, NBT=64):
+    """The T = 1 (decode) case of query_aware_scores_torch as two key-parallel kernels: the grid spans
+    the compressed keys, not just the Bz * H_kv rows, so one query fills the GPU."""
+    Bz, H_q, T, D = q.shape
+    H_kv, M = K_sub.shape[1], K_sub.shape[2]
+    R, G = Bz * H_kv, H_q // H_kv
+    GP = max(16, triton.next_power_of_2(G))
+    r, p = cfg.B // cfg.s_c, (cfg.l_c - 1) // cfg.s_c
+    NC = triton.cdiv(M, CM)
+    s = torch.empty(R, GP, M, device=q.device, dtype=torch.float32)
+    mx = torch.empty(R, NC, GP, device=q.device, dtype=torch.float32)
+    sm = torch.empty_like(mx)
+    out = torch.empty(Bz, H_kv, 1, nb, device=q.device, dtype=torch.float32)
+    _qscore1_stats[(R, NC)](q.contiguous(), K_sub.contiguous(), q_pos.contiguous(), s, mx, sm, 1.0 / math.sqrt(D), M,
+                            NC, H_kv=H_kv, G=G, GP=GP, D=D, CM=CM, S_C=cfg.s_c, L_C=cfg.l_c)
+    _qscore1_blocks[(R, triton.cdiv(nb, NBT))](s, mx, sm, out, M, nb, NC, G=G, GP=GP, NCP=triton.next_power_of_2(NC),
+                                               NBT=NBT, R_SUB=r, P_OVER=p, RP=triton.next_power_of_2(r + p))
+    return out
+
+
 def query_aware_scores(q, K_sub, q_pos, nb, cfg):
     """Q[t, b] (see query_aware_scores_torch): the Triton kernel on a GPU, the twin elsewhere."""
     d, r, p = q.shape[-1], cfg.B // cfg.s_c, (cfg.l_c - 1) // cfg.s_c
     if (q.is_cuda and q.dtype != torch.float64 and d >= 16 and d & (d - 1) == 0 and r & (r - 1) == 0 and p <= r
             and K_sub.shape[2] > 0):
+        if q.shape[2] == 1:  # decoding: one query per sequence
+            return query_aware_scores_decode(q, K_sub, q_pos, nb, cfg)
         return query_aware_scores_triton(q, K_sub, q_pos, nb, cfg)
     return query_aware_scores_torch(q, K_sub, q_pos, nb, cfg)

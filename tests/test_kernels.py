@@ -132,6 +132,26 @@ def test_query_aware_score_kernel_matches_twin(G, d, T, preset):
     assert rel_err(got[finite], want[finite]) < FP32_TOL
 
 
+@pytest.mark.parametrize("G, d, preset, M_len", [(1, 64, "tiny", 700), (16, 32, "tiny", 333), (4, 64, "paper", 3000)])
+def test_decode_score_kernel_matches_twin(G, d, preset, M_len):
+    """One query per sequence (decode), ragged positions: the key-parallel kernels against the twin,
+    over more blocks than the positions reach (static shapes), with chunks of compressed keys that
+    do not divide their number."""
+    from nosa import Config
+    import pooling
+    cfg = Config.from_preset(preset)
+    Bz, H_kv = 3, 2
+    q = torch.randn(Bz, H_kv * G, 1, d, device=DEV)
+    K_sub = pooling.compress_keys(torch.randn(Bz, H_kv, M_len, d, device=DEV), cfg)
+    q_pos = torch.tensor([[5], [M_len // 2], [M_len - 1]], device=DEV)  # the first sees no sub-block yet
+    nb = pooling.n_blocks(M_len, cfg) + 2
+    want = pooling.query_aware_scores_torch(q, K_sub, q_pos, nb, cfg)
+    got = pooling.query_aware_scores_decode(q, K_sub, q_pos, nb, cfg, CM=32, NBT=16)
+    finite = torch.isfinite(want)
+    assert torch.equal(finite, torch.isfinite(got))
+    assert rel_err(got[finite], want[finite]) < FP32_TOL
+
+
 def test_model_through_the_kernels(monkeypatch):
     """The whole system on the kernel path (compiled on a GPU, interpreted on CPU): the parallel
     forward matches the twins, and offloaded decoding through the scoring and slot kernels matches
@@ -147,7 +167,8 @@ def test_model_through_the_kernels(monkeypatch):
     with torch.no_grad():
         ref = model(idx)  # the twins (on a GPU: the kernels already)
         monkeypatch.setattr(attention, "use_triton", lambda x, B: True)
-        monkeypatch.setattr(pooling, "query_aware_scores", pooling.query_aware_scores_triton)
+        monkeypatch.setattr(pooling, "query_aware_scores", lambda q, *a: (
+            pooling.query_aware_scores_decode if q.shape[2] == 1 else pooling.query_aware_scores_triton)(q, *a))
         par = model(idx)
         assert rel_err(par, ref) < FP32_TOL
         prompt_lens = [20, 70]
