@@ -20,7 +20,7 @@ class CheckedCache(OffloadCache):
 
     moves = []  # blocks gathered per (row, layer, step), rows past their first step after prefill
 
-    def capacity(self):  # no CUDA graph (model.GraphedDecode): the checks read the tables every step
+    def capacity(self):  # no CUDA graph (generate.GraphedDecode): the checks read the tables every step
         return 0
 
     def attend(self, layer, q, block_mask):

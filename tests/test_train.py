@@ -94,7 +94,7 @@ def test_ddp_two_processes_on_cpu(corpus, tmp_path):
     assert json.load(open(os.path.join(out, "train_state.json")))["step"] == 3
 
 
-def test_defaults_resolve_in_the_repository_and_never_overwrite(corpus, tmp_path, monkeypatch):
+def test_defaults_resolve_in_the_repository_and_never_overwrite(corpus, tmp_path, monkeypatch, capsys):
     """Run from another directory, train.py writes its checkpoint and data cache under the
     repository's out/ and data/ (here a stand-in root), never into the working directory, and refuses
     to write into an existing checkpoint (the embedded model included) without --resume or --force."""
@@ -111,8 +111,10 @@ def test_defaults_resolve_in_the_repository_and_never_overwrite(corpus, tmp_path
     with pytest.raises(FileExistsError, match="already holds a checkpoint"):
         train.main(out=checkpoint.DEFAULT_CHECKPOINT, **kw)
     train.main(force=True, **kw)
-    capsys_free = train.main(resume=True, **kw)  # the run is complete: nothing to do, and it says so
-    assert capsys_free[1] == json.load(open(root / "out" / "tiny-nosa" / "train_state.json"))["val_loss"]
+    capsys.readouterr()
+    _, val = train.main(resume=True, **kw)  # the run is complete: nothing to do, and it says so
+    assert "is complete (step 2 of 2); to train further, --resume with a larger --steps" in capsys.readouterr().out
+    assert val == json.load(open(root / "out" / "tiny-nosa" / "train_state.json"))["val_loss"]
 
 
 KILLER = """
