@@ -6,13 +6,16 @@ import os
 import torch
 
 import checkpoint
-from bench import gather, kernels, quality
+from bench import eviction, gather, kernels, quality
 from bench import throughput as throughput_
 
 
-def main(what, json_path=None, ckpts=os.path.join(checkpoint.ROOT, "out"), trained=False, **throughput):
+def main(what, json_path=None, ckpts=os.path.join(checkpoint.ROOT, "out"), trained=False,
+         checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, **throughput):
     if what == "quality":
         rows = quality.bench_quality(ckpts)
+    elif what == "eviction":
+        rows = eviction.bench_eviction(checkpoint_dir)
     elif what == "throughput":
         rows = throughput_.bench_throughput(**throughput, ckpts=ckpts if trained else None)
     else:
@@ -32,11 +35,13 @@ def main(what, json_path=None, ckpts=os.path.join(checkpoint.ROOT, "out"), train
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(prog="python -m bench", description="NOSA / NOSI benchmarks (GPU)")
-    p.add_argument("what", choices=["gather", "prefill", "decode", "sdpa", "quality", "throughput"],
+    p.add_argument("what", choices=["gather", "prefill", "decode", "sdpa", "quality", "eviction", "throughput"],
                    help="which benchmark")
     p.add_argument("--json", help="also write the rows to this file")
     p.add_argument("--ckpts", default=os.path.join(checkpoint.ROOT, "out"),
                    help="quality, throughput --trained: where train.py wrote tiny-nosa/, tiny-full/, ... (default: out/)")
+    p.add_argument("--checkpoint", default=checkpoint.DEFAULT_CHECKPOINT,
+                   help="eviction: the model to diagnose (default: the embedded one)")
     p.add_argument("--shape", default="tiny", choices=sorted(throughput_.SHAPES), help="throughput: model shape")
     p.add_argument("--prompt-len", type=int, default=4096, help="throughput: context before decoding")
     p.add_argument("--budget-gb", type=float, default=24.0, help="throughput: GPU memory budget")
@@ -47,4 +52,4 @@ if __name__ == "__main__":
     a = p.parse_args()
     kw = dict(shape=a.shape, prompt_len=a.prompt_len, budget_gb=a.budget_gb, steps=a.steps, host_gb=a.host_gb,
               trained=a.trained, systems=a.systems.split(",")) if a.what == "throughput" else {}
-    checkpoint.run_cli(main, a.what, a.json, a.ckpts, **kw)
+    checkpoint.run_cli(main, a.what, a.json, a.ckpts, checkpoint_dir=a.checkpoint, **kw)

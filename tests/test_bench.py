@@ -28,3 +28,19 @@ def test_throughput_bench_small():
         assert all(r[f"{p}_ms"] >= 0 for p in PHASES) and r["weights_ms"] > 0 and r["attention_ms"] > 0
     assert by["full, resident cache"]["selection_ms"] == by["full, resident cache"]["transfer_ms"] == 0
     assert by["nosa + offload"]["transfer_ms"] > 0 and by["nosa + offload"]["mb_per_step"] > 0
+
+
+def test_eviction_diagnostic_finds_planted_blocks():
+    """Where the bias c makes attention go to a few old blocks, the core chosen by E holds (nearly)
+    all of the candidates' attention mass, recency and random choices little of it."""
+    from bench.eviction import layer_shares, mass_share
+    assert mass_share(torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([False, True, False, True]),
+                      torch.tensor([True, True, False, True])).item() == pytest.approx(6.0 / 7.0)
+    cfg = Config.from_preset("tiny", B=8, l_c=4, s_c=2, n_sink=1, n_win=2, k=8, k_q=2, H_q=4, H_kv=2, head_dim=16)
+    T = 400
+    q, k = 0.1 * torch.randn(1, 4, T, 16), 0.1 * torch.randn(1, 2, T, 16)
+    c = torch.zeros(1, 2, T)
+    for b in (2, 5, 9):  # three old blocks that every later query should attend to
+        c[..., b * cfg.B:(b + 1) * cfg.B] = 8.0
+    by_e, by_recency, at_random = layer_shares(q, k, c, cfg, cfg.k * cfg.B, torch.Generator().manual_seed(0))
+    assert by_e > 0.99 and by_recency < 0.2 and at_random < 0.5
