@@ -19,6 +19,7 @@ import math
 import os
 import sysconfig
 import time
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -144,11 +145,13 @@ def evaluate(model, val, batch_size, T, device, n_batches=8):
 
 def main(preset="tiny", attn="nosa", out=None, data=None, data_dir=None, steps=120, batch_size=4, seq_len=1024,
          lr=3e-3, warmup=20, weight_decay=0.1, grad_clip=1.0, eval_every=40, seed=1337, device=None, resume=False,
-         force=False, stop_at=None, save_bf16=False, log_every=10, evict_lr_mult=1.0, **overrides):
+         force=False, stop_at=None, save_bf16=False, log_every=10, evict_lr_mult=1.0, init_from=None, **overrides):
     """Train; returns (model, last validation loss). `overrides` go to the Config (tests use tiny shapes).
     out defaults to out/{preset}-{attn} and data_dir to data/, both in the repository, whatever the
     working directory. An existing checkpoint in out is continued with resume, replaced with force,
-    and otherwise left alone."""
+    and otherwise left alone. init_from: start from that checkpoint's weights (its shape; any mode),
+    e.g. NOSA continued from a dense model, as the paper trains; an eviction head it lacks starts
+    from its initialisation (A = 0: the first steps compute what the dense model did)."""
     for name, value, least in (("--steps", steps, 1), ("--batch-size", batch_size, 1), ("--seq-len", seq_len, 1),
                                ("--eval-every", eval_every, 1), ("--log-every", log_every, 1),
                                ("--warmup", warmup, 0), ("--stop-at", stop_at or 1, 1)):
@@ -159,7 +162,13 @@ def main(preset="tiny", attn="nosa", out=None, data=None, data_dir=None, steps=1
     checkpoint.pick_device(device)  # a device this torch lacks fails here, before anything else
     out = out or os.path.join(checkpoint.ROOT, "out", f"{preset}-{attn}")
     data_dir = data_dir or os.path.join(checkpoint.ROOT, "data")
-    cfg = Config.from_preset(preset, attn=attn, **overrides)  # invalid configs fail here, before any work
+    if init_from and resume:
+        raise ValueError("--init-from starts a new run; --resume continues one: give one of them")
+    if init_from:
+        init_model, init_tok = checkpoint.load(init_from, dtype=torch.float32)
+        cfg = replace(init_model.cfg, attn=attn, **overrides)  # invalid configs fail here, before any work
+    else:
+        cfg = Config.from_preset(preset, attn=attn, **overrides)
     if seq_len > cfg.max_seq_len:
         raise ValueError(f"--seq-len {seq_len} exceeds the preset's max_seq_len {cfg.max_seq_len}")
     if resume and not checkpoint.is_checkpoint(out):
@@ -199,6 +208,15 @@ def main(preset="tiny", attn="nosa", out=None, data=None, data_dir=None, steps=1
 
     torch.manual_seed(seed)
     model = Transformer(cfg).to(device)
+    if init_from:
+        if init_tok.to_str() != tok.to_str():
+            raise ValueError(f"--init-from {init_from}: its tokenizer is not the one of this corpus; train on the "
+                             f"data it was trained on (--data)")
+        sd = init_model.state_dict()
+        head = [n for n in model.state_dict() if n not in sd]  # the eviction head, if the source had none
+        model.load_state_dict({**model.state_dict(), **{n: t for n, t in sd.items() if n in model.state_dict()}})
+        if master:
+            print(f"initialised from {init_from} ({init_model.cfg.attn}){'; new: ' + ', '.join(head) if head else ''}")
     evict = {n for n, _ in model.named_parameters() if n.endswith((".self_attn.A", ".self_attn.delta.weight"))}
     params = [(n, p) for n, p in model.named_parameters() if n not in evict]
     groups = [dict(params=[p for _, p in params if p.dim() >= 2], weight_decay=weight_decay),
@@ -254,7 +272,7 @@ def main(preset="tiny", attn="nosa", out=None, data=None, data_dir=None, steps=1
             checkpoint.save(raw, tok, out, dtype=torch.bfloat16 if save_bf16 else None, optimizer=opt,
                             train_state=dict(step=step, steps=steps, val_loss=val_loss, seed=seed, seq_len=seq_len,
                                              batch_size=batch_size * world, attn=attn, data=data or "stdlib",
-                                             evict_lr_mult=evict_lr_mult))
+                                             evict_lr_mult=evict_lr_mult, init_from=init_from))
     if master and step == steps:
         if evict:  # how far the eviction gates moved from their zero start
             print("eviction gates A per layer:", " | ".join(" ".join(f"{a:+.2f}" for a in layer.self_attn.A.tolist())
@@ -302,6 +320,8 @@ def cli(argv=None):
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     p.add_argument("--resume", action="store_true", help="continue the run saved in --out")
+    p.add_argument("--init-from", metavar="CKPT", help="start from this checkpoint's weights (e.g. NOSA from a "
+                                                       "dense model); its shape, --attn's mode")
     p.add_argument("--force", action="store_true", help="replace a checkpoint already in --out")
     p.add_argument("--save-bf16", action="store_true", help="store weights in bf16 (half the size)")
     p.add_argument("--evict-lr-mult", type=float, default=1.0,
@@ -312,7 +332,7 @@ def cli(argv=None):
     return checkpoint.run_cli(lambda: main(
         a.preset, a.attn, a.out, a.data, a.data_dir, a.steps, a.batch_size, a.seq_len, a.lr, a.warmup,
         eval_every=a.eval_every, seed=a.seed, device=a.device, resume=a.resume, force=a.force, stop_at=a.stop_at,
-        save_bf16=a.save_bf16, evict_lr_mult=a.evict_lr_mult, **parse_overrides(a.set)))
+        save_bf16=a.save_bf16, evict_lr_mult=a.evict_lr_mult, init_from=a.init_from, **parse_overrides(a.set)))
 
 
 if __name__ == "__main__":

@@ -190,3 +190,22 @@ def test_train_flags_fail_in_one_line(argv, msg, capsys):
         train.cli(argv)
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ") and msg in err, err
+
+
+def test_init_from_a_dense_model(corpus, tmp_path):
+    """The paper's recipe: NOSA continued from a dense model. Before any NOSA step the new model
+    computes exactly what the dense one did on sequences of at most k·B tokens (every block selected,
+    the eviction head's A = 0), and training goes on from there."""
+    import json as _json
+    kw = dict(data=corpus, data_dir=str(tmp_path / "data"), **{**run, "seq_len": 64}, **small)  # k·B = 64
+    dense, _ = train.main(out=str(tmp_path / "full"), attn="full", steps=6, eval_every=6, **kw)
+    init, _ = train.main(out=str(tmp_path / "nosa"), attn="nosa", steps=1, eval_every=1, lr=1e-12, warmup=0,
+                         init_from=str(tmp_path / "full"), **{k: v for k, v in kw.items() if k not in ("lr", "warmup")})
+    assert init.cfg.attn == "nosa" and init.layers[0].self_attn.A.abs().max() < 1e-9
+    idx = torch.randint(0, 300, (2, 64))
+    with torch.no_grad():
+        torch.testing.assert_close(init(idx), dense(idx), rtol=0, atol=1e-5)
+    state = _json.load(open(os.path.join(str(tmp_path / "nosa"), "train_state.json")))
+    assert state["init_from"] == str(tmp_path / "full")
+    with pytest.raises(ValueError, match="--init-from starts a new run"):
+        train.main(out=str(tmp_path / "nosa"), resume=True, init_from=str(tmp_path / "full"), **kw)
