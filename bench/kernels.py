@@ -103,7 +103,7 @@ def bench_decode(H_q=32, H_kv=2, d=128):
 
 def bench_sdpa(Bz=12, H_kv=2, G=16, S=131073, d=128):
     """One dense decode call (the G query heads of a KV head as G rows) under each SDPA backend:
-    why attention.dense_decode_torch excludes cuDNN."""
+    the SDPA baselines beside the split-key kernel of attention.dense_decode."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     q = torch.randn(Bz, H_kv, G, d, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn(Bz, H_kv, S, d, device="cuda", dtype=torch.bfloat16)
