@@ -1,7 +1,7 @@
 """
 Block-sparse attention with a per-token additive bias: torch twins and Triton kernels.
 
-    o_t = Σ_{j in Γ(t), j <= t} softmax_j(q_t·k_j/√d + bias_j) v_j        (METHOD.md §3.5)
+    o_t = Σ_{j in Γ(t), j <= t} softmax_j(q_t·k_j/√d + bias_j) v_j        (docs/METHOD.md §3)
 
 Notation: Bz batch, H_q / H_kv query / KV heads, G = H_q / H_kv, T queries, S keys, d head dim,
 B block size, k selected blocks per (query, KV head), R = Bz·H_kv rows of the slot pool.

@@ -5,7 +5,7 @@ This project's format: a directory with model.safetensors, config.json (the Conf
 tokenizer.json (a `tokenizers` byte-level BPE). The released NOSA models (openbmb/NOSA-1B, -3B, -8B)
 use the Hugging Face Llama format: config.json in HF terms, safetensors in one file or in shards
 with model.safetensors.index.json, tokenizer.json. Tensor names are the same in both up to the
-"model." prefix (METHOD.md §7), so one loader reads both.
+"model." prefix, so one loader reads both.
 """
 import json
 import os
@@ -98,7 +98,7 @@ def rope_from_hf(hf):
 
 
 def config_from_hf(hf, **overrides):
-    """A Hugging Face Llama config.json (dict) -> Config, on the paper's NOSA defaults (METHOD.md §7).
+    """A Hugging Face Llama config.json (dict) -> Config, on the paper's NOSA defaults (docs/METHOD.md §2).
     Keys it leaves out take Hugging Face's documented defaults; anything this model does not
     implement is refused by name rather than silently ignored."""
     for key, ok in (("attention_bias", lambda v: not v), ("mlp_bias", lambda v: not v),

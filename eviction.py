@@ -1,5 +1,5 @@
 """
-The query-agnostic half of NOSA: the ED-DMA eviction head and the eviction policy (METHOD.md §3.2, §4).
+The query-agnostic half of NOSA: the ED-DMA eviction head and the eviction policy (docs/METHOD.md §3, §5).
 
 Notation:
   v_j^h   value of token j in KV head h;  H_kv KV heads of dim d

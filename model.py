@@ -1,5 +1,5 @@
 """
-A Llama-style decoder whose every layer is NOSA attention (METHOD.md §2-3), with a KV cache for
+A Llama-style decoder whose every layer is NOSA attention (docs/METHOD.md §2-3), with a KV cache for
 step-by-step decoding and greedy / temperature / top-k sampling.
 
 Notation: Bz batch, T tokens, dim model width, H_q / H_kv query / KV heads, d = head_dim,
@@ -10,7 +10,7 @@ Two paths through every attention layer compute the same function:
   decode(tok, cache)    one new token per sequence, each at its own position, against a cache
 The tests check that their logits are equal; that is the whole promise of NOSA (no training /
 inference mismatch). Module and parameter names follow Hugging Face Llama, so released NOSA
-checkpoints map onto this model one to one (METHOD.md §7).
+checkpoints map onto this model one to one (checkpoint.py).
 """
 import torch
 import torch.nn as nn

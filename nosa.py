@@ -1,7 +1,7 @@
 """
-NOSA: Native and Offloadable Sparse Attention (Huang et al., arXiv 2510.13602). Read METHOD.md first.
+NOSA: Native and Offloadable Sparse Attention (Huang et al., arXiv 2510.13602). Read docs/METHOD.md first.
 
-Notation (METHOD.md §2):
+Notation (docs/METHOD.md §2):
   B           KV block size in tokens: the unit of selection, caching and transfer
   l_c, s_c    sub-block length and stride of the two-stage pooling (pooling.py)
   n_sink      attention-sink blocks at the start, always selected
@@ -14,15 +14,15 @@ Notation (METHOD.md §2):
   Γ(t)        Γ_q(t) + the best remaining causal blocks by E, up to k in all
   H_q, H_kv   query and KV heads, G = H_q / H_kv query heads share one KV head and one selection
 
-How the budget splits (the authors' reading of METHOD.md §3.4, which makes the theorem hold at
-every step). Once more than k blocks are causal, Γ(t) is
+How the budget splits (the authors' reading, which makes the theorem hold at every step; docs/METHOD.md
+§3 and §5). Once more than k blocks are causal, Γ(t) is
   - k_q blocks chosen for this query: its own block q_t and the k_q - 1 best other candidates by Q
     (the authors take the top n_sink + n_win + k_q blocks by Q with F(t) set to +inf: the same set);
   - k_e = k - k_q blocks that do not depend on the query: the n_sink sinks, the n_win window blocks
     before q_t, and the *core*, the n_core = k_e - n_sink - n_win best candidates by E
     (eviction.py); core members that Q already picked are replaced by the next best by E.
 
-Locality (METHOD.md §4): γ(t) = |Γ(t) ∩ Γ(t-1)| / |Γ(t)| >= k_e / k at every step. The k_e
+Locality (docs/METHOD.md §5): γ(t) = |Γ(t) ∩ Γ(t-1)| / |Γ(t)| >= k_e / k at every step. The k_e
 query-agnostic blocks of Γ(t) were all selected at t-1: the sinks always are; the window blocks
 before q_t were in the window (or were the own block) at t-1; and E never changes once a block is a
 candidate, while candidates only join (a block leaves the window at a block boundary), so the core
@@ -34,7 +34,7 @@ implicit here: the top-n_core by E is recomputed at every step (training and dec
 because scores are fixed and candidates only join, a block that drops out of the core can never
 return; eviction.evict is the same rule written incrementally, and the tests check both.
 
-Attention modes (METHOD.md §6), all from the same code:
+Attention modes (docs/METHOD.md §7), all from the same code:
   full      all causal tokens, no bias
   infllmv2  F + the best blocks by Q only, no bias
   dma       F + the best blocks by E only, bias exp(c)
@@ -140,7 +140,7 @@ class Config:
 
 
 PRESETS = {
-    # METHOD.md §2 defaults; the transformer has a 1B-scale Llama shape with 16 query heads per KV
+    # the paper's defaults (docs/METHOD.md §2); the transformer has a 1B-scale Llama shape with 16 query heads per KV
     # head, as the authors' kernels assume (a checkpoint's config.json overrides the shape).
     "paper": dict(vocab_size=128256, n_layer=16, dim=2048, H_q=32, H_kv=2, head_dim=64, hidden_dim=8192,
                   max_seq_len=131072, rope_theta=500000.0, B=64, l_c=32, s_c=16, n_sink=1, n_win=16, k=64, k_q=16),

@@ -1,5 +1,5 @@
 """
-NOSI: decoding with the KV cache offloaded to host memory (METHOD.md §5).
+NOSI: decoding with the KV cache offloaded to host memory (docs/METHOD.md §6).
 
 Notation: R = Bz * H_kv rows, one per (sequence, KV head), per layer; k slots per row;
 a *unit* = one KV block, K then V: (2, B, d), contiguous (one PCIe burst); q_t = pos // B the

@@ -1,5 +1,5 @@
 """
-Two-stage block pooling, shared by both of NOSA's block scores (METHOD.md §3.3).
+Two-stage block pooling, shared by both of NOSA's block scores (docs/METHOD.md §3).
 
 Notation:
   T      tokens so far;  B  KV block size;  nb = ceil(T / B) blocks

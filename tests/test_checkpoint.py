@@ -1,4 +1,4 @@
-"""Loading released NOSA checkpoints in the Hugging Face Llama layout (METHOD.md §7), from a small
+"""Loading released NOSA checkpoints in the Hugging Face Llama layout, from a small
 random checkpoint written here in exactly that layout: sharded safetensors with an index."""
 import json
 import os

@@ -24,7 +24,7 @@ def test_pool_mean_by_hand():
 
 
 def test_stage2_overlap_paper():
-    # METHOD.md: block b is overlapped by sub-blocks 4b-1 ... 4b+3
+    # docs/METHOD.md §3: block b is overlapped by sub-blocks 4b-1 ... 4b+3
     M = 30
     x = torch.full((M,), -1.0)
     for b in range(1, 7):

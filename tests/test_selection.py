@@ -1,4 +1,4 @@
-"""Dual selection and the locality theorem (METHOD.md §3.4, §4), under adversarial scores."""
+"""Dual selection and the locality theorem (docs/METHOD.md §3, §5), under adversarial scores."""
 import pytest
 import torch
 from hypothesis import assume, given, settings, strategies as st
