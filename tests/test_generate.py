@@ -100,3 +100,9 @@ def test_profile_trace_marks_the_parts_of_a_step(tmp_path):
     generate.main(max_new_tokens=5, offload=True, device="cpu", quiet=True, profile=str(trace))
     names = {e.get("name") for e in json.load(open(trace))["traceEvents"]}
     assert {"selection", "transfer", "attention"} <= names
+
+
+def test_without_the_embedded_model_a_random_one_runs(monkeypatch, capsys):
+    monkeypatch.setattr(generate.os.path, "isdir", lambda p: False)  # as if checkpoints/ were missing
+    out = generate.main(max_new_tokens=5, offload=True, device="cpu", quiet=True)
+    assert len(out[0]) == 5 and "randomly initialised" in capsys.readouterr().out
