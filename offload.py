@@ -300,7 +300,7 @@ class OffloadCache(Cache):
         self.fresh = [torch.zeros(R, dtype=torch.bool, device=device) for _ in range(L)]  # prefilled, not decoded
         self.active = torch.ones(Bz, dtype=torch.bool, device=device)  # sequences that have not ended
         cdt = torch.promote_types(dtype, torch.float32)
-        self.c = [torch.zeros(Bz, H, max_len, dtype=cdt, device=device) for _ in range(L)]
+        self.c = [torch.zeros(Bz, H, max_len if cfg.eviction_head else 0, dtype=cdt, device=device) for _ in range(L)]
         self.sub = SubBlockCache(cfg, Bz, device, dtype, max_len)
         self.stats = Stats(L, unit, device)
 
@@ -335,8 +335,8 @@ class OffloadCache(Cache):
         self.slot_block[layer][r.to(self.device)] = -1
         self.block_slot[layer][r.to(self.device)] = -1
         self.fresh[layer][r.to(self.device)] = True
-        self.c[layer] = grow(self.c[layer], T, 2)
         if c is not None:
+            self.c[layer] = grow(self.c[layer], T, 2)
             self.c[layer][seq, :, :T] = c
         self.sub.prefill(layer, seq, k, c)
         if layer == cfg.n_layer - 1:
@@ -361,12 +361,12 @@ class OffloadCache(Cache):
         cfg, pos = self.cfg, self.len
         max_pos = int(self.len_cpu.max())
         self._ensure_blocks(layer, max_pos // cfg.B + 1)
-        self.c[layer] = grow(self.c[layer], max_pos + 1, 2)
         rows = torch.arange(self.Bz * cfg.H_kv, device=self.device)
         slot = (pos % cfg.B).repeat_interleave(cfg.H_kv)  # (R,)
         self.tail[layer][rows, 0, slot] = k.reshape(-1, cfg.head_dim)
         self.tail[layer][rows, 1, slot] = v.reshape(-1, cfg.head_dim)
         if c is not None:
+            self.c[layer] = grow(self.c[layer], max_pos + 1, 2)
             self.c[layer][torch.arange(self.Bz, device=self.device), :, pos] = c
         self.sub.append(layer, k, c, pos, max_pos)
 
