@@ -268,15 +268,14 @@ def main(preset="tiny", attn="nosa", out=None, data=None, data_dir=None, steps=1
                   f"{tps:.0f} tokens/s | {left / 60:.1f} min left", flush=True)
         if master and (step % eval_every == 0 or step == stop_at):
             val_loss = evaluate(raw, val_data, batch_size, seq_len, device)
-            print(f"step {step} | val loss {val_loss:.3f}", flush=True)
+            gates = (" | eviction gates A per layer: " + " | ".join(  # how far they moved from their zero start
+                " ".join(f"{a:+.2f}" for a in layer.self_attn.A.tolist()) for layer in raw.layers)) if evict else ""
+            print(f"step {step} | val loss {val_loss:.3f}{gates}", flush=True)
             checkpoint.save(raw, tok, out, dtype=torch.bfloat16 if save_bf16 else None, optimizer=opt,
                             train_state=dict(step=step, steps=steps, val_loss=val_loss, seed=seed, seq_len=seq_len,
                                              batch_size=batch_size * world, attn=attn, data=data or "stdlib",
                                              evict_lr_mult=evict_lr_mult, init_from=init_from))
     if master and step == steps:
-        if evict:  # how far the eviction gates moved from their zero start
-            print("eviction gates A per layer:", " | ".join(" ".join(f"{a:+.2f}" for a in layer.self_attn.A.tolist())
-                                                           for layer in raw.layers))
         print(f"done: generate with `python generate.py --checkpoint {out}`")
     if ddp:
         dist.destroy_process_group()
