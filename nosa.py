@@ -192,11 +192,19 @@ def select(q, K_sub, c_sub, q_pos, nb, cfg):
     sub-block means of the eviction score, or None (infllmv2: E plays no part); nb blocks to score.
     Returns the block mask (Bz, H_kv, T, nb)."""
     Q = pooling.query_aware_scores(q, K_sub, q_pos, nb, cfg)  # (Bz, H_kv, T, nb)
+    return (select_from_scores_fused if q.shape[2] == 1 else select_from_scores)(Q, c_sub, q_pos, cfg)
+
+
+def select_from_scores(Q, c_sub, q_pos, cfg):
+    """Γ(t) from Q (Bz, H_kv, T, nb) and the sub-block means c̃ (or None): E, then select_blocks."""
     if c_sub is None:
-        E = Q.new_zeros(Q.shape[0], cfg.H_kv, nb)
+        E = Q.new_zeros(Q.shape[0], cfg.H_kv, Q.shape[-1])
     else:
-        E = eviction.eviction_block_scores(c_sub, nb, cfg)  # (Bz, H_kv, nb)
+        E = eviction.eviction_block_scores(c_sub, Q.shape[-1], cfg)  # (Bz, H_kv, nb)
     return select_blocks(Q, E, q_pos[:, None], cfg)
+
+
+select_from_scores_fused = attention.fused(select_from_scores)  # decoding: the same ops, fused on a GPU
 
 
 def nosa_attention(q, k, v, c, cfg):

@@ -29,6 +29,7 @@ import math
 import os
 import sys
 import warnings
+import weakref
 
 import torch
 import triton
@@ -195,8 +196,34 @@ def flush_tails(host, pool, slot_block, block_slot, pos, H_kv, B):
     (ext.flush_tails if ext else flush_tails_triton)(host, pool, slot_block, block_slot, pos, H_kv, B)
 
 
+@attention.fused
+def needed_blocks(sel, pos, active, H_kv, B, k):
+    """What a step needs from the slot pool: sel (R, nb) the selected blocks of every row, pos (Bz,),
+    active (Bz,). Returns the ascending ids of the selected blocks other than the tail, -1 padded,
+    (R, k) (at most k - 1 of them), and their number (R,). Ended sequences need nothing."""
+    R, nb = sel.shape
+    q_blk = (pos // B).repeat_interleave(H_kv)[:, None]  # (R, 1)
+    b = torch.arange(nb, device=sel.device)
+    need = sel & (b != q_blk) & active.repeat_interleave(H_kv)[:, None]  # the tail is always on the device
+    col = torch.where(need, need.cumsum(1) - 1, k)  # the i-th needed block goes to column i; k is a spare
+    ids = torch.full((R, k + 1), -1, dtype=torch.long, device=sel.device).scatter_(1, col, torch.where(need, b, -1))
+    return ids[:, :k].contiguous(), need.sum(1)
+
+
 # -----------------------------------------------------------------------------
 # Statistics
+
+
+@attention.fused
+def count_moves(fetch, n_need, fresh, needed, moved, cold, row_max):
+    """Stats of one layer's step, in place: fetch (R, k) the blocks gathered, n_need (R,) the blocks
+    selected, fresh (R,) rows at their first step after prefill (cleared here)."""
+    n_moved = (fetch >= 0).sum(1)  # (R,)
+    needed += torch.where(fresh, 0, n_need).sum()
+    moved += torch.where(fresh, 0, n_moved).sum()
+    cold += torch.where(fresh, n_moved, 0).sum()
+    row_max.copy_(torch.maximum(row_max, torch.where(fresh, 0, n_moved).max()))
+    fresh.zero_()
 
 
 class Stats:
@@ -255,11 +282,31 @@ def max_batch(cfg, max_len, dtype, gpu_budget, host_budget=None, offload=True, l
 
 
 def host_bytes_available():
+    """What the host store may take by default: the memory the OS reports available, less a margin
+    for the process itself (a tenth of it, at least 4 GiB). On the H200 machine 112 of its 126 GiB
+    could be pinned (BENCHMARKS.md)."""
     try:
         with open("/proc/meminfo") as f:
-            return int(next(l for l in f if l.startswith("MemAvailable")).split()[1]) * 1024
+            avail = int(next(l for l in f if l.startswith("MemAvailable")).split()[1]) * 1024
     except (OSError, StopIteration):
         return None
+    return max(avail - max(avail // 10, 4 * 2**30), 0)
+
+
+def pinned_empty(shape, dtype):
+    """Page-locked host memory that GPU kernels read directly (UVA), of exactly its size. torch's
+    pinned allocator rounds each request up to a power of two (a 1.4 GiB layer store pins 2 GiB),
+    so the store is plain memory registered with CUDA instead, and unregistered when it is freed."""
+    t = torch.empty(shape, dtype=dtype)
+    nbytes = t.numel() * t.element_size()
+    if nbytes:
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(t.data_ptr(), nbytes, 3)  # portable | mapped
+        if int(err) != 0:
+            raise MemoryError(f"could not pin {nbytes / 2**30:.2f} GiB of host memory for the KV store ({err}); "
+                              f"lower the batch or the length, or pass a smaller host budget")
+        weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
+    return t
 
 
 class OffloadCache(Cache):
@@ -306,7 +353,8 @@ class OffloadCache(Cache):
 
     def _host_alloc(self, R, cap, dtype):
         cfg = self.cfg
-        return torch.empty(R, cap, 2, cfg.B, cfg.head_dim, dtype=dtype, pin_memory=self.pin)  # read only once written
+        shape = (R, cap, 2, cfg.B, cfg.head_dim)  # read only once written
+        return pinned_empty(shape, dtype) if self.pin else torch.empty(shape, dtype=dtype)
 
     def _ensure_blocks(self, layer, n):
         """Room for n blocks per row in the host store and the block table (doubling, copying)."""
@@ -375,23 +423,11 @@ class OffloadCache(Cache):
         cfg, Bz = self.cfg, self.Bz
         R, k, B = Bz * cfg.H_kv, cfg.k, cfg.B
         with record_function("transfer"):
-            pos = self.len.repeat_interleave(cfg.H_kv)  # (R,)
-            q_blk = pos // B
-            sel = block_mask.reshape(R, -1)  # (R, nb)
-            nb = sel.shape[1]
-            b = torch.arange(nb, device=self.device)
-            active = self.active.repeat_interleave(cfg.H_kv)[:, None]  # (R, 1) ended sequences need nothing
-            need = sel & (b != q_blk[:, None]) & active  # the tail is always on the device
-            # ascending block ids of the needed blocks, -1 padded: at most k - 1 of them
-            need_ids = torch.where(need, b, nb).sort(1).values[:, :k]
-            need_ids = torch.where(need_ids < nb, need_ids, -1).contiguous()
+            need_ids, n_need = needed_blocks(block_mask.reshape(R, -1), self.len, self.active, cfg.H_kv, B, k)
             set_difference(need_ids, self.slot_block[layer], self.block_slot[layer], self.fetch[layer])
-            moved, cold = (self.fetch[layer] >= 0).sum(1), self.fresh[layer]  # (R,) each
-            self.stats.needed[layer] += torch.where(cold, 0, need.sum(1)).sum()
-            self.stats.moved[layer] += torch.where(cold, 0, moved).sum()
-            self.stats.cold[layer] += torch.where(cold, moved, 0).sum()
-            torch.maximum(self.stats.row_max, torch.where(cold, 0, moved).max(), out=self.stats.row_max)
-            cold.zero_()
+            s = self.stats
+            count_moves(self.fetch[layer], n_need, self.fresh[layer], s.needed[layer], s.moved[layer], s.cold[layer],
+                        s.row_max)
             gather_units(self.host[layer], self.pool[layer], self.fetch[layer])
         with record_function("attention"):
             bias = eviction.attention_bias(self.c[layer], cfg.attn) if cfg.eviction_head else None

@@ -32,11 +32,11 @@ def split_by_phase(step, tok, n, cuda):
         if cuda:
             torch.cuda.synchronize()
         total = (time.perf_counter() - t0) * 1e3 / n
-    ev = {e.key: e for e in prof.key_averages()}
-    ms = {p: ev[p].cpu_time_total / 1e3 / n if p in ev else 0.0 for p in PHASES[1:]}
+    ev = prof.key_averages()  # on a GPU each range is listed twice: the host's and the device's (no host time)
+    ms = {p: max((e.cpu_time_total for e in ev if e.key == p), default=0.0) / 1e3 / n for p in PHASES[1:]}
     ms["weights"] = max(total - sum(ms.values()), 0.0)
-    gather = sum((e.device_time_total if cuda else e.cpu_time_total) / 1e3 / n for k, e in ev.items()
-                 if "gather_units" in k and (not cuda or "kernel" in k))
+    gather = sum((e.device_time_total if cuda else e.cpu_time_total) / 1e3 / n for e in ev
+                 if "gather_units" in e.key and (not cuda or "kernel" in e.key))
     return tok, ms, gather
 
 
