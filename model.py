@@ -76,6 +76,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.H_q * d, cfg.dim, bias=False)
         if cfg.eviction_head:  # ED-DMA: W_δ and A, A = 0 at init
             self.delta = nn.Linear(cfg.H_kv * d, cfg.H_kv, bias=False)
+            self.delta.init_std = (cfg.H_kv * d) ** -0.5  # see Transformer._init_weights
             self.A = nn.Parameter(torch.zeros(cfg.H_kv))
 
     def qkvc(self, x, rope):
@@ -158,8 +159,12 @@ class Transformer(nn.Module):
 
     @staticmethod
     def _init_weights(m):
+        """std 0.02 (GPT-2, Llama), except W_δ, at 1/sqrt(fan-in) so that W_δ v is of the size of v. The
+        eviction head is a product: A = 0 at init, and A's gradient is the covariance, over tokens, of
+        softplus(W_δ v) with the logit gradient (a constant bias changes no softmax); at std 0.02 that
+        softplus is nearly the same for every token, which leaves A little to learn from (BENCHMARKS.md)."""
         if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            nn.init.normal_(m.weight, mean=0.0, std=getattr(m, "init_std", 0.02))
 
     def forward(self, idx, cache=None, seq=None):
         """Parallel forward: idx (Bz, T) from position 0 -> logits (Bz, T, vocab).

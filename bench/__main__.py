@@ -11,13 +11,14 @@ from bench import throughput as throughput_
 
 
 def main(what, json_path=None, ckpts=os.path.join(checkpoint.ROOT, "out"), trained=False,
-         checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, **throughput):
+         checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, judge=None, gen_len=1024, systems=None, **throughput):
     if what == "quality":
-        rows = quality.bench_quality(ckpts)
+        rows = quality.bench_quality(ckpts, systems or tuple(quality.SYSTEMS), judge, gen_len)
     elif what == "eviction":
         rows = eviction.bench_eviction(checkpoint_dir)
     elif what == "throughput":
-        rows = throughput_.bench_throughput(**throughput, ckpts=ckpts if trained else None)
+        rows = throughput_.bench_throughput(**throughput, systems=systems or throughput_.SYSTEMS,
+                                            ckpts=ckpts if trained else None)
     else:
         if not torch.cuda.is_available():
             raise ValueError(f"bench {what} measures the GPU machine: no CUDA device here")
@@ -48,8 +49,12 @@ if __name__ == "__main__":
     p.add_argument("--steps", type=int, default=256, help="throughput: timed decode steps")
     p.add_argument("--host-gb", type=float, help="throughput: host memory budget (default: what is available)")
     p.add_argument("--trained", action="store_true", help="throughput: the trained models in --ckpts, real prompts")
-    p.add_argument("--systems", default=",".join(throughput_.SYSTEMS), help=f"throughput: some of {','.join(throughput_.SYSTEMS)}")
+    p.add_argument("--systems", help=f"throughput: some of {','.join(throughput_.SYSTEMS)} (default: all); "
+                                     f"quality: some of {','.join(quality.SYSTEMS)} (default: all)")
+    p.add_argument("--judge", help="quality: the model that scores the generations (default: CKPTS/tiny-full)")
+    p.add_argument("--gen-len", type=int, default=1024, help="quality: tokens generated (and teacher-forced window)")
     a = p.parse_args()
     kw = dict(shape=a.shape, prompt_len=a.prompt_len, budget_gb=a.budget_gb, steps=a.steps, host_gb=a.host_gb,
-              trained=a.trained, systems=a.systems.split(",")) if a.what == "throughput" else {}
-    checkpoint.run_cli(main, a.what, a.json, a.ckpts, checkpoint_dir=a.checkpoint, **kw)
+              trained=a.trained) if a.what == "throughput" else {}
+    checkpoint.run_cli(main, a.what, a.json, a.ckpts, checkpoint_dir=a.checkpoint, judge=a.judge, gen_len=a.gen_len,
+                       systems=a.systems.split(",") if a.systems else None, **kw)

@@ -6,6 +6,10 @@ import torch.nn.functional as F
 
 import checkpoint
 
+# name -> (the model in ckpts/tiny-NAME, the attention it decodes with; None: the one it was trained with)
+SYSTEMS = {"nosa": ("nosa", None), "full": ("full", None), "infllmv2": ("infllmv2", None), "dma": ("dma", None),
+           "full-as-infllmv2": ("full", "infllmv2")}  # the training-free baseline
+
 
 def trained_path(ckpts, attn):
     """Where train.py --attn ATTN puts its tiny model: ckpts/tiny-ATTN (ckpts = out/ by default)."""
@@ -16,44 +20,61 @@ def trained_path(ckpts, attn):
     return path
 
 
-def bench_quality(ckpts, windows=16, T=1024, n_prompts=8, prompt_len=128, gen_len=1024):
-    """Long-sequence quality of the tiny models trained by train.py (ckpts/tiny-{nosa,full,infllmv2,dma}):
-    teacher-forced loss on held-out windows (by position: the first k·B tokens are dense for every
-    model), and free generations of gen_len tokens scored by the full-attention model. 'full as
-    infllmv2' is the training-free baseline: the full-attention model decoded with InfLLMv2-style
-    selection at the same budget k."""
+def distinct_4grams(seqs):
+    """Mean share of distinct 4-grams per sequence: 1 for no repetition, near 0 for a loop."""
+    return sum(len({tuple(t[i:i + 4]) for i in range(len(t) - 3)}) / (len(t) - 3) for t in seqs) / len(seqs)
+
+
+def bench_quality(ckpts, systems=tuple(SYSTEMS), judge=None, gen_len=1024, windows=16, n_prompts=8, prompt_len=128):
+    """Long-sequence quality of the tiny models trained by train.py (ckpts/tiny-{nosa,full,...}):
+    teacher-forced loss on held-out windows of gen_len tokens (by position: the first k·B are dense for
+    every model), and free generations of gen_len tokens from n_prompts held-out prompts, decoded
+    together (sparse modes through the offload engine, which reports its hit rate) and scored by the
+    judge (default: ckpts/tiny-full; best a full-attention model that is none of the contestants).
+    'full-as-infllmv2' is the training-free baseline: the full-attention model decoded with
+    InfLLMv2-style selection at the same budget k."""
     import train
     from generate import generate
     from kvcache import KVCache
+    from offload import OffloadCache
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        raise ValueError(f"unknown system(s) {sorted(unknown)}; choose from {list(SYSTEMS)}")
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    systems = [("nosa", "nosa", None), ("full", "full", None), ("infllmv2", "infllmv2", None),
-               ("dma", "dma", None), ("full as infllmv2 (training-free)", "full", "infllmv2")]
-    paths = {ck: trained_path(ckpts, ck) for _, ck, _ in systems}  # all there before any work
-    judge, tok = checkpoint.load(paths["full"], dev, torch.float32)
+    paths = {SYSTEMS[s][0]: trained_path(ckpts, SYSTEMS[s][0]) for s in systems}  # all there before any work
+    judge_path = judge or trained_path(ckpts, "full")
+    judge, tok = checkpoint.load(judge_path, dev, torch.float32)
+    judge.check_length(prompt_len, gen_len)
     eot = tok.token_to_id(train.EOT)  # the held-out files of the default corpus, as train.py splits them
     val = torch.tensor([i for name, text in train.documents() if train.is_val(name)
                         for i in tok.encode(text).ids + [eot]])
     kB = judge.cfg.k * judge.cfg.B
-    starts = torch.linspace(0, len(val) - T - 1, windows).long()
-    x = torch.stack([val[s:s + T] for s in starts]).to(dev)
+    starts = torch.linspace(0, len(val) - gen_len - 1, windows).long()
+    x = torch.stack([val[s:s + gen_len + 1] for s in starts]).to(dev)
     prompts = [val[s:s + prompt_len].tolist() for s in starts[:n_prompts]]
     rows = []
-    for name, ck, attn in systems:
+    for name in systems:
+        ck, attn = SYSTEMS[name]
         model, _ = checkpoint.load(paths[ck], dev, torch.float32, **({"attn": attn} if attn else {}))
+        model.check_length(prompt_len, gen_len)
+        cfg = model.cfg
         with torch.no_grad():
-            nll = F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten(), reduction="none").view(windows, -1)
+            nll = torch.cat([F.cross_entropy(model(w[None, :-1])[0], w[1:], reduction="none")[None] for w in x])
+            cache = (OffloadCache(cfg, n_prompts, dev, torch.float32, max_len=prompt_len + gen_len) if cfg.sparse
+                     else KVCache(cfg, n_prompts, dev, torch.float32, prompt_len + gen_len))
             torch.manual_seed(0)
-            gen = generate(model, prompts, gen_len, temperature=0.8, top_k=50,
-                           cache=KVCache(model.cfg, n_prompts, dev, torch.float32))
+            gen = generate(model, prompts, gen_len, temperature=0.8, top_k=50, cache=cache)
             full = torch.tensor([p + g for p, g in zip(prompts, gen)], device=dev)
-            judged = F.cross_entropy(judge(full[:, :-1]).flatten(0, 1), full[:, 1:].flatten(), reduction="none")
-            judged = judged.view(n_prompts, -1)[:, prompt_len - 1:]
-        tail = [g[-kB:] for g in gen]  # repetition: share of distinct 4-grams in the last k·B tokens
-        distinct = sum(len({tuple(t[i:i + 4]) for i in range(len(t) - 3)}) / (len(t) - 3) for t in tail) / len(tail)
-        rows.append(dict(system=name, val_loss_dense_part=round(nll[:, :kB].mean().item(), 3),
-                         val_loss_sparse_part=round(nll[:, kB:].mean().item(), 3),
-                         gen_judge_loss_first_kB=round(judged[:, :kB].mean().item(), 3),
-                         gen_judge_loss_last_kB=round(judged[:, -kB:].mean().item(), 3),
-                         gen_distinct_4grams_last_kB=round(distinct, 3)))
+            judged = torch.cat([F.cross_entropy(judge(s[None, :-1])[0], s[1:], reduction="none")[None] for s in full])
+            judged = judged[:, prompt_len - 1:]
+        row = dict(system=name, val_loss_dense_part=round(nll[:, :kB].mean().item(), 3),
+                   val_loss_sparse_part=round(nll[:, kB:].mean().item(), 3),
+                   gen_judge_loss_first_kB=round(judged[:, :kB].mean().item(), 3),
+                   gen_judge_loss_last_kB=round(judged[:, -kB:].mean().item(), 3),
+                   gen_distinct_4grams_last_kB=round(distinct_4grams([g[-kB:] for g in gen]), 3))
+        if cfg.sparse:
+            s = cache.stats
+            row["hit_rate"] = round(1 - s.moved.sum().item() / max(s.needed.sum().item(), 1), 3)
+        rows.append(row)
         print(rows[-1], flush=True)
     return rows

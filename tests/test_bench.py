@@ -44,3 +44,22 @@ def test_eviction_diagnostic_finds_planted_blocks():
         c[..., b * cfg.B:(b + 1) * cfg.B] = 8.0
     by_e, by_recency, at_random = layer_shares(q, k, c, cfg, cfg.k * cfg.B, torch.Generator().manual_seed(0))
     assert by_e > 0.99 and by_recency < 0.2 and at_random < 0.5
+
+
+def test_quality_bench_on_the_embedded_model(tmp_path):
+    """python -m bench quality, small: the embedded model's loss is a trained model's, its generation
+    through the offload engine keeps the theorem's hit rate, and bad arguments fail before any work."""
+    import shutil
+    import checkpoint
+    from bench.quality import bench_quality
+    shutil.copytree(checkpoint.DEFAULT_CHECKPOINT, tmp_path / "tiny-nosa")
+    with pytest.raises(ValueError, match="unknown system"):
+        bench_quality(tmp_path, systems=("nosa", "sliding"))
+    with pytest.raises(FileNotFoundError, match="train.py --attn full"):  # the default judge is tiny-full
+        bench_quality(tmp_path, systems=("nosa",))
+    (row,) = bench_quality(tmp_path, systems=("nosa",), judge=checkpoint.DEFAULT_CHECKPOINT, gen_len=300, windows=2,
+                           n_prompts=2)
+    cfg = checkpoint.load(checkpoint.DEFAULT_CHECKPOINT)[0].cfg
+    assert row["val_loss_sparse_part"] < 3.5  # an untrained model: ln(vocab) = 8.3
+    assert cfg.k_e / (cfg.k - 1) <= row["hit_rate"] <= 1
+    assert 0 < row["gen_distinct_4grams_last_kB"] <= 1 and row["gen_judge_loss_last_kB"] > 0
