@@ -283,14 +283,14 @@ def max_batch(cfg, max_len, dtype, gpu_budget, host_budget=None, offload=True, l
 
 def host_bytes_available():
     """What the host store may take by default: the memory the OS reports available, less a margin
-    for the process itself (a tenth of it, at least 4 GiB). On the H200 machine 112 of its 126 GiB
-    could be pinned (BENCHMARKS.md)."""
+    for the process itself (a tenth of it, at least 4 GiB, at most half). On the H200 machine 120 of
+    its 126 GiB could be pinned (BENCHMARKS.md)."""
     try:
         with open("/proc/meminfo") as f:
             avail = int(next(l for l in f if l.startswith("MemAvailable")).split()[1]) * 1024
     except (OSError, StopIteration):
         return None
-    return max(avail - max(avail // 10, 4 * 2**30), 0)
+    return avail - min(max(avail // 10, 4 * 2**30), avail // 2)
 
 
 def pinned_empty(shape, dtype):
