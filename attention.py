@@ -29,6 +29,7 @@ the tests (tests/test_kernels.py, run under TRITON_INTERPRET=1 on CPU). Kernel d
 import functools
 import math
 import os
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -398,7 +399,14 @@ def fused(fn):
         nonlocal compiled
         if not (FUSE and args[0].is_cuda):
             return fn(*args)
-        compiled = compiled or torch.compile(fn, dynamic=False)
+        if compiled is None:  # the first call compiles (before any CUDA graph capture)
+            try:
+                compiled = torch.compile(fn, dynamic=False)
+                return compiled(*args)
+            except Exception as e:  # an inductor or toolchain problem: run unfused, slower, but right
+                warnings.warn(f"torch.compile of {fn.__name__} failed ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:200] if str(e) else ''}); it runs unfused")
+                compiled = fn
         return compiled(*args)
     return run
 

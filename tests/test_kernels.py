@@ -187,3 +187,29 @@ def test_full_attention_decode_bf16(prompt_lens):
         par = model(idx)
     for i, (P, got) in enumerate(zip(prompt_lens, decode_logits(model, idx, prompt_lens))):
         assert rel_err(got, par[i, P - 1:P - 1 + got.shape[0]]) < 2e-2
+
+
+def test_fused_runs_as_written_off_the_gpu_and_falls_back_when_compiling_fails(monkeypatch):
+    """attention.fused: CPU tensors run the function itself; on a GPU, a torch.compile failure warns
+    once, and the function runs unfused from then on."""
+    n_compiles = []
+
+    def broken_compile(fn, **kw):
+        n_compiles.append(fn)
+        return lambda *a: (_ for _ in ()).throw(RuntimeError("no C compiler"))
+
+    g = attention.fused(lambda x, n: x * n)
+    x = torch.randn(3)
+    assert torch.equal(g(x, 2), x * 2) and not n_compiles  # CPU: no compile
+    monkeypatch.setattr(torch, "compile", broken_compile)
+
+    class OnGPU:  # stands for a CUDA tensor
+        is_cuda = True
+
+        def __mul__(self, n):
+            return n
+
+    h = attention.fused(lambda x, n: x * n)
+    with pytest.warns(UserWarning, match="runs unfused"):
+        assert h(OnGPU(), 5) == 5
+    assert h(OnGPU(), 7) == 7 and len(n_compiles) == 1  # warned and compiled once
