@@ -400,6 +400,9 @@ def fused(fn):
         if not (FUSE and args[0].is_cuda):
             return fn(*args)
         if compiled is None:  # the first call compiles (before any CUDA graph capture)
+            limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+            if getattr(torch._dynamo.config, limit) < 64:  # one compile per shape: batches, configs
+                setattr(torch._dynamo.config, limit, 64)
             try:
                 compiled = torch.compile(fn, dynamic=False)
                 return compiled(*args)
