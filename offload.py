@@ -5,8 +5,8 @@ Notation: R = Bz * H_kv rows, one per (sequence, KV head), per layer; k slots pe
 a *unit* = one KV block, K then V: (2, B, d), contiguous (one PCIe burst); q_t = pos // B the
 tail block, the one being written.
 
-  host store   (R, cap, 2, B, d)  every completed block of every row; pinned when CUDA is present;
-                                  nothing is ever deleted; grows by doubling
+  host store   (R, cap, 2, B, d)  every completed block of every row; pinned when CUDA is present
+                                  (pinned_empty); nothing is ever deleted; grows by doubling
   slot pool    (R, k+1, 2, B, d)  on the GPU: slots 0..k-1 hold the selected blocks other than the tail,
                                   slot k the tail: the block being written
   slot_block   (R, k)             slot -> block id, -1 = free
@@ -23,7 +23,8 @@ Per decode step and layer (model.Attention.decode calls append, then attend):
   5. attention  over the slots and the tail, with the bias
   6. when the tail block is full: write it to the host store, and keep it in a free slot (there is
      always one: at most k - 1 non-tail blocks are selected), so the window needs no transfer.
-By the locality theorem (nosa.py) step 4 moves at most k - k_e units per row and step.
+By the locality theorem (nosa.py) step 4 moves at most k_q - 1 units per row and step. The small
+tensor operations of steps 2-3 (needed_blocks, count_moves) are compiled into a few kernels on a GPU.
 """
 import math
 import os
