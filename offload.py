@@ -379,7 +379,8 @@ class OffloadCache(Cache):
         self._ensure_blocks(layer, n_full + 1)
         kv = torch.stack([k, v], 1)  # (H_kv, 2, T, d)
         blocks = kv[:, :, :n_full * cfg.B].reshape(cfg.H_kv, 2, n_full, cfg.B, cfg.head_dim).transpose(1, 2)
-        self.host[layer][r, :n_full] = blocks.to("cpu")  # (H_kv, n_full, 2, B, d)
+        for h, row in enumerate(r.tolist()):  # (n_full, 2, B, d) each: one contiguous copy into the pinned store
+            self.host[layer][row, :n_full].copy_(blocks[h])
         self.tail[layer][r.to(self.device), :, :T - n_full * cfg.B] = kv[:, :, n_full * cfg.B:]
         self.slot_block[layer][r.to(self.device)] = -1
         self.block_slot[layer][r.to(self.device)] = -1
