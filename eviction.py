@@ -17,8 +17,9 @@ The eviction policy. E[b] is final once block b is a candidate (pooling.py), and
 ever join C (a block leaves the window), so with a fixed core size the core changes only at a block
 boundary, and then only by letting the newcomer compete with the current members: the weakest of
 the two sides is *evicted*, and an evicted block can never come back, because everything that beat
-it stays. `evict` is that rule; `core_blocks` computes the same set from scratch, which is what the
-parallel (training) forward does; tests check that the two agree and that evictions are final.
+it stays. `evict` is that rule on a mask over all blocks; `core_blocks` computes the same set from
+scratch, which is what the parallel (training) forward does; `join_core_list` is the rule as
+decoding runs it, on a short list per row; tests check that they agree and that evictions are final.
 """
 import torch
 import torch.nn.functional as F
@@ -68,3 +69,51 @@ def evict(core, E, b_new, n_core):
     members = core.clone()
     members[b_new] = True
     return members & (rank_desc(E, members) < n_core)
+
+
+# -----------------------------------------------------------------------------
+# The same policy as decoding runs it: on a short list per row instead of a mask over every block.
+# A decode step needs the best n_core candidates by E that Q did not pick; those are among the best
+# n = n_core + (k_q - 1) candidates, so each row keeps that list, best first, and updates it only
+# when a block leaves the window. No step sorts all blocks by E.
+
+
+def block_score(c_sub, b, cfg):
+    """E of one block per row: c̃ (..., M), b (...,) block ids -> (...,), as eviction_block_scores."""
+    r, p = cfg.B // cfg.s_c, (cfg.l_c - 1) // cfg.s_c
+    m = b[..., None] * r - p + torch.arange(r + p, device=b.device)  # (..., r+p) the overlapping sub-blocks
+    valid = (m >= 0) & (m < c_sub.shape[-1])
+    return c_sub.gather(-1, m.clamp(0, c_sub.shape[-1] - 1)).masked_fill(~valid, float("-inf")).amax(-1)
+
+
+def best_first(ids, E, n):
+    """Order a list of blocks best first, by E and then the more recent block (rank_desc's order),
+    empty entries (-1) last, and keep n. ids, E (..., m) -> (ids, E) (..., n)."""
+    order = torch.sort(ids, dim=-1, descending=True, stable=True).indices  # recent first; -1 last
+    ids, E = ids.gather(-1, order), E.gather(-1, order).masked_fill(ids.gather(-1, order) < 0, float("-inf"))
+    order = torch.sort(E, dim=-1, descending=True, stable=True).indices[..., :n]  # stable: ties stay recent first
+    return ids.gather(-1, order), E.gather(-1, order)
+
+
+def core_list(E, cand, n):
+    """The list from scratch: the best n candidates. E (..., nb), cand bool (..., nb) -> (ids, E) (..., n)."""
+    ids = torch.where(cand, torch.arange(E.shape[-1], device=E.device), -1)
+    if E.shape[-1] < n:  # fewer blocks than the list holds: pad with empty entries
+        pad = n - E.shape[-1]
+        ids, E = F.pad(ids, (0, pad), value=-1), F.pad(E, (0, pad))
+    return best_first(ids, E, n)
+
+
+def join_core_list(ids, E_ids, b_new, E_new):
+    """The eviction policy on the list: b_new (...,) a block that has just left the window (-1: none),
+    with score E_new, competes with the members; the best n stay, the one left out is evicted for good."""
+    return best_first(torch.cat([ids, b_new[..., None]], -1), torch.cat([E_ids, E_new[..., None]], -1), ids.shape[-1])
+
+
+def core_picks(ids, taken, n_core, nb):
+    """The E-picks of a step: the first n_core members of the list (best first) that Q has not taken.
+    ids (..., n) the list, taken (..., n) bool -> a mask over the nb blocks (..., nb)."""
+    pick = (ids >= 0) & ~taken
+    pick &= pick.cumsum(-1) <= n_core
+    mask = torch.zeros(*ids.shape[:-1], nb + 1, dtype=torch.bool, device=ids.device)  # column nb: a spare
+    return mask.scatter_(-1, torch.where(pick, ids, nb), True)[..., :nb]

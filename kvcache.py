@@ -66,6 +66,11 @@ class SubBlockCache:
         self.ring_c = [torch.zeros(Bz, H, l_c, device=device, dtype=cdt) for _ in range(L)]
         self.K_sub = [torch.zeros(Bz, H, M, d, device=device, dtype=dtype) for _ in range(L)]
         self.c_sub = [torch.zeros(Bz, H, M, device=device, dtype=cdt) for _ in range(L)]
+        # each row's best n = n_core + k_q - 1 candidates by E, best first (eviction.core_list): all a
+        # decode step needs of E; changed only when a block leaves the window (the eviction policy)
+        n = cfg.n_core + cfg.k_q_free if cfg.eviction_head and cfg.n_core > 0 else 0
+        self.core_ids = [torch.full((Bz, H, n), -1, dtype=torch.long, device=device) for _ in range(L)] if n else None
+        self.core_E = [torch.full((Bz, H, n), float("-inf"), dtype=cdt, device=device) for _ in range(L)] if n else None
 
     def __getitem__(self, layer):
         return self.K_sub[layer], self.c_sub[layer]
@@ -83,6 +88,13 @@ class SubBlockCache:
         if c is not None:
             self.c_sub[layer][seq, :, :M] = pooling.pool_mean(c, cfg)
             self.ring_c[layer][seq][:, tail % cfg.l_c] = c[:, tail]
+        if self.core_ids:  # from scratch, as of the last prompt token: the next step adds what leaves the window
+            nb = pooling.n_blocks(T, cfg)
+            b = torch.arange(nb, device=k.device)
+            cand = (b >= cfg.n_sink) & (b < (T - 1) // cfg.B - cfg.n_win)
+            E = eviction.eviction_block_scores(self.c_sub[layer][seq, :, :M], nb, cfg)  # (H_kv, nb)
+            self.core_ids[layer][seq], self.core_E[layer][seq] = eviction.core_list(E, cand.expand_as(E),
+                                                                                  self.core_ids[layer].shape[-1])
 
     def append(self, layer, k, c, pos, max_pos):
         """k (Bz, H_kv, d), c (Bz, H_kv) or None, written at positions pos (Bz,); when a sub-block
@@ -105,6 +117,20 @@ class SubBlockCache:
         if c is not None:
             new = self.ring_c[layer][rows[:, None], :, order].mean(1)  # (Bz, H_kv)
             self.c_sub[layer][rows, :, m] = torch.where(done, new, self.c_sub[layer][rows, :, m])
+        if self.core_ids:
+            join_window_leaver(self.core_ids[layer], self.core_E[layer], self.c_sub[layer], pos, cfg)
+
+
+@attention.fused
+def join_window_leaver(core_ids, core_E, c_sub, pos, cfg):
+    """The eviction policy at a decode step, in place: at a block's first token (pos (Bz,)) the block
+    n_win + 1 back leaves the window and competes with each row's list (eviction.join_core_list). Its
+    E is final: the sub-blocks that overlap it are complete (the config check in nosa.Config)."""
+    b_new = pos // cfg.B - cfg.n_win - 1
+    b_new = torch.where((pos % cfg.B == 0) & (b_new >= cfg.n_sink), b_new, -1)[:, None].expand(-1, cfg.H_kv)
+    ids, E = eviction.join_core_list(core_ids, core_E, b_new, eviction.block_score(c_sub, b_new.clamp(min=0), cfg))
+    core_ids.copy_(ids)
+    core_E.copy_(E)
 
 
 class KVCache(Cache):

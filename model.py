@@ -108,7 +108,9 @@ class Attention(nn.Module):
         if cfg.sparse:
             with record_function("selection"):  # exactly as the parallel forward selects, from the pooled caches
                 K_sub, c_sub = cache.sub[layer]
-                block_mask = nosa.select(q, K_sub, None if c is None else c_sub, pos[:, None], cache.n_blocks(), cfg)
+                core_ids = cache.sub.core_ids[layer] if cache.sub.core_ids else None  # E's best candidates
+                block_mask = nosa.select(q, K_sub, None if c is None else c_sub, pos[:, None], cache.n_blocks(), cfg,
+                                         core_ids)
         o = cache.attend(layer, q, block_mask)  # (Bz, H_q, 1, d)
         return self.o_proj(o.transpose(1, 2).reshape(Bz, 1, -1))
 

@@ -29,10 +29,11 @@ candidate, while candidates only join (a block leaves the window at a block boun
 at t is drawn from the core at t-1 plus the block that just left the window, which was selected at
 t-1 too. Hence at most k - k_e - 1 = k_q - 1 blocks per (sequence, layer, KV head) are new at a
 step besides the query's own block, which is the tail being written and is on the GPU anyway
-(offload.py): that is the most that crosses PCIe per step, whatever Q does. The eviction policy is
-implicit here: the top-n_core by E is recomputed at every step (training and decoding alike), and
-because scores are fixed and candidates only join, a block that drops out of the core can never
-return; eviction.evict is the same rule written incrementally, and the tests check both.
+(offload.py): that is the most that crosses PCIe per step, whatever Q does. Training computes the
+core from scratch at every position (select_blocks ranks all candidates by E); because scores are
+fixed and candidates only join, a block that drops out of the core can never return. Decoding runs
+that eviction policy itself, on each row's short list of its best candidates by E
+(eviction.join_core_list); the tests check that both select the same blocks.
 
 Attention modes (docs/METHOD.md §7), all from the same code:
   full      all causal tokens, no bias
@@ -154,10 +155,12 @@ PRESETS = {
 # Dual selection
 
 
-def select_blocks(Q, E, q_pos, cfg):
+def select_blocks(Q, E, q_pos, cfg, core_ids=None):
     """Γ(t) for every query as a block mask.
 
     Q: (..., T, nb) query-aware scores, E: (..., nb) eviction scores, q_pos: (..., T) positions.
+    Decoding passes, instead of E, each row's list of its best n_core + k_q - 1 candidates by E,
+    best first (core_ids (..., n), eviction.core_list), kept by the eviction policy; E is then None.
     Returns a bool mask (..., T, nb): True where block b is selected for the query at q_pos.
     Not differentiable: top-k and pooling carry no gradient."""
     nb = Q.shape[-1]
@@ -167,9 +170,15 @@ def select_blocks(Q, E, q_pos, cfg):
     forced = causal & ((b < cfg.n_sink) | (b >= q_blk - cfg.n_win))  # F(t)
     cand = causal & ~forced
     pick_q = cand & (eviction.rank_desc(Q, cand) < cfg.k_q_free)  # Γ_q(t) \ F(t)
-    rest = cand & ~pick_q
     # E-picks: the core, with the core members Q already took replaced by the next best by E
-    pick_e = rest & (eviction.rank_desc(E.unsqueeze(-2).expand_as(Q), rest) < cfg.n_core)
+    if core_ids is not None:  # the first n_core members of the list that Q did not take
+        ids = core_ids.unsqueeze(-2).expand(*Q.shape[:-1], core_ids.shape[-1])  # (..., T, n)
+        pick_e = eviction.core_picks(ids, pick_q.gather(-1, ids.clamp(min=0)), cfg.n_core, nb)
+    elif E is not None:
+        rest = cand & ~pick_q
+        pick_e = rest & (eviction.rank_desc(E.unsqueeze(-2).expand_as(Q), rest) < cfg.n_core)
+    else:  # a mode without E (n_core = 0)
+        pick_e = torch.zeros_like(pick_q)
     few = causal.sum(-1, keepdim=True) <= cfg.k  # fewer than k causal blocks: take them all
     return torch.where(few, causal, forced | pick_q | pick_e)
 
@@ -184,27 +193,25 @@ def core_mask(E, q_pos, cfg):
     return eviction.core_blocks(E.unsqueeze(-2).expand(*cand.shape), cand, cfg.n_core)
 
 
-def select(q, K_sub, c_sub, q_pos, nb, cfg):
+def select(q, K_sub, c_sub, q_pos, nb, cfg, core_ids=None):
     """Score, then select: the one path from the pooled caches to Γ(t), shared by the parallel forward
     (training, prefill) and decoding, so both pick exactly the same blocks.
 
     q (Bz, H_q, T, d) at positions q_pos (Bz, T); K̃ (Bz, H_kv, M, d) compressed keys; c̃ (Bz, H_kv, M)
     sub-block means of the eviction score, or None (infllmv2: E plays no part); nb blocks to score.
+    A decode step (T = 1) passes instead of c̃ each row's list of its best candidates by E, kept by
+    the eviction policy (core_ids (Bz, H_kv, n), kvcache.SubBlockCache), or None without E.
     Returns the block mask (Bz, H_kv, T, nb)."""
     Q = pooling.query_aware_scores(q, K_sub, q_pos, nb, cfg)  # (Bz, H_kv, T, nb)
-    return (select_from_scores_fused if q.shape[2] == 1 else select_from_scores)(Q, c_sub, q_pos, cfg)
-
-
-def select_from_scores(Q, c_sub, q_pos, cfg):
-    """Γ(t) from Q (Bz, H_kv, T, nb) and the sub-block means c̃ (or None): E, then select_blocks."""
-    if c_sub is None:
-        E = Q.new_zeros(Q.shape[0], cfg.H_kv, Q.shape[-1])
-    else:
-        E = eviction.eviction_block_scores(c_sub, Q.shape[-1], cfg)  # (Bz, H_kv, nb)
+    if q.shape[2] == 1 and (core_ids is not None or c_sub is None):
+        return select_step(Q, core_ids, q_pos, cfg)
+    E = None if c_sub is None else eviction.eviction_block_scores(c_sub, nb, cfg)  # (Bz, H_kv, nb)
     return select_blocks(Q, E, q_pos[:, None], cfg)
 
 
-select_from_scores_fused = attention.fused(select_from_scores)  # decoding: the same ops, fused on a GPU
+@attention.fused  # a decode step: the same ops, fused on a GPU
+def select_step(Q, core_ids, q_pos, cfg):
+    return select_blocks(Q, None, q_pos[:, None], cfg, core_ids)
 
 
 def nosa_attention(q, k, v, c, cfg):

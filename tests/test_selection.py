@@ -131,15 +131,18 @@ def test_rank_ties_prefer_recent():
     assert r.tolist() == [2, 0, 1, 4]
 
 
-def test_parallel_selection_equals_decode_selection():
+@pytest.mark.parametrize("tied", [False, True])
+def test_parallel_selection_equals_decode_selection(tied):
     """The selection of token t in the parallel forward equals that at step t of decoding, which
-    scores from the incrementally pooled caches (ragged batch, fp64 so no rounding ties)."""
+    scores from the incrementally pooled caches, both from c̃ and from each row's list of its best
+    candidates by E that the eviction policy keeps (ragged batch, fp64 so no rounding ties in Q;
+    tied: eviction scores of three values, so E ties everywhere and the order among equals counts)."""
     cfg = Config.from_preset("tiny", n_layer=1, B=8, l_c=8, s_c=2, n_win=1, k=6, k_q=2)
     Bz, T = 2, 300
     q = torch.randn(Bz, cfg.H_q, T, cfg.head_dim, dtype=torch.float64)
     k = torch.randn(Bz, cfg.H_kv, T, cfg.head_dim, dtype=torch.float64)
     v = torch.randn_like(k)
-    c = torch.randn(Bz, cfg.H_kv, T, dtype=torch.float64)
+    c = torch.randint(0, 3, (Bz, cfg.H_kv, T)).double() if tied else torch.randn(Bz, cfg.H_kv, T, dtype=torch.float64)
     _, par = nosa.nosa_attention(q, k, v, c, cfg)  # (Bz, H_kv, T, nb)
     assert not par[:, :, -1].all(), "test too short: sparsity never kicks in"
     sub = SubBlockCache(cfg, Bz, "cpu", torch.float64)
@@ -151,12 +154,15 @@ def test_parallel_selection_equals_decode_selection():
         rows = torch.arange(Bz)
         sub.append(0, k[rows, :, pos], c[rows, :, pos], pos, int(pos.max()))
         nb = pooling.n_blocks(int(pos.max()) + 1, cfg)
-        dec = nosa.select(q[rows, :, pos][:, :, None], sub.K_sub[0], sub.c_sub[0], pos[:, None], nb, cfg)[:, :, 0]
+        q_t = q[rows, :, pos][:, :, None]
+        dec = nosa.select(q_t, sub.K_sub[0], sub.c_sub[0], pos[:, None], nb, cfg)[:, :, 0]
+        dec_list = nosa.select(q_t, sub.K_sub[0], None, pos[:, None], nb, cfg, sub.core_ids[0])[:, :, 0]
         for i in range(Bz):
             p = int(pos[i])
             nbi = pooling.n_blocks(p + 1, cfg)
             assert torch.equal(dec[i, :, :nbi], par[i, :, p, :nbi]), (i, p)
-            assert not dec[i, :, nbi:].any()
+            assert torch.equal(dec_list[i, :, :nbi], par[i, :, p, :nbi]), (i, p)
+            assert not dec[i, :, nbi:].any() and not dec_list[i, :, nbi:].any()
 
 
 @pytest.mark.parametrize("bad, msg", [
@@ -172,3 +178,22 @@ def test_parallel_selection_equals_decode_selection():
 def test_bad_configs_raise(bad, msg):
     with pytest.raises(ValueError, match=msg):
         Config.from_preset("tiny", **bad)
+
+
+def test_core_list_kept_by_the_policy_equals_the_list_from_scratch():
+    """Decoding keeps each row's best n candidates by E by letting every block that leaves the window
+    compete with the list (eviction.join_core_list); that is the list made from scratch, in the same
+    order (best first, ties to the more recent block), whatever the scores: here with many ties."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(30):
+        nb, n, start = 40, 1 + trial % 8, trial % 5
+        E = torch.randint(0, 4, (3, nb), generator=g).double()  # 3 rows
+        b = torch.arange(nb)
+        ids, E_ids = eviction.core_list(E, (b < start).expand(3, nb), n)
+        for j in range(start, nb):
+            b_new = torch.full((3,), j)
+            ids, E_ids = eviction.join_core_list(ids, E_ids, b_new, E[:, j])
+            want_ids, want_E = eviction.core_list(E, (b <= j).expand(3, nb), n)
+            assert torch.equal(ids, want_ids) and torch.equal(E_ids, want_E), (trial, j)
+        ids2, _ = eviction.join_core_list(ids, E_ids, torch.full((3,), -1), torch.zeros(3))  # no block leaves
+        assert torch.equal(ids2, ids)
