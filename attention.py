@@ -10,8 +10,6 @@ B block size, k selected blocks per (query, KV head), R = Bz·H_kv rows of the s
                      as a block mask (Bz, H_kv, T, nb).
   slot_attention     decode against the GPU slot pool of offload.py: k slots + the tail block.
   dense_decode       full attention, one query per sequence, over a static cache (the baseline).
-  fused              the decode step's chains of small torch ops (selection, bookkeeping), compiled
-                     into a few kernels on a GPU by torch.compile.
 
 Every kernel has its twin here, with the same signature; the twin is the CPU path and the oracle of
 the tests (tests/test_kernels.py, run under TRITON_INTERPRET=1 on CPU). Kernel design:
@@ -26,10 +24,7 @@ the tests (tests/test_kernels.py, run under TRITON_INTERPRET=1 on CPU). Kernel d
   - decode: one program per (row, split) over the resident slots, partial results merged by
     log-sum-exp (flash-decoding), so a small batch still fills the GPU.
 """
-import functools
 import math
-import os
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -383,35 +378,6 @@ class SparseAttention(torch.autograd.Function):
             q, k, v, c, rev_idx, rev_cnt, mask, q_pos, do, lse, delta, dk, dv, dc, scale, T, S, nb, nT,
             CHUNK=chunk, **meta, **LAUNCH)
         return dq, dk.to(k.dtype), dv.to(v.dtype), (dc if meta["HAS_BIAS"] else None), None, None, None, None
-
-
-FUSE = os.environ.get("NOSA_FUSE", "1") != "0"  # NOSA_FUSE=0: run fused functions op by op, as their twins
-
-
-def fused(fn):
-    """fn, on CUDA tensors, compiled by torch.compile into a few Triton kernels (its chains of small
-    ops fused), elsewhere run as written: the torch code is its own twin. For the decode step's
-    bookkeeping, whose shapes are static, so it compiles once per shape (generate.py's warm-up)."""
-    compiled = None
-
-    @functools.wraps(fn)
-    def run(*args):
-        nonlocal compiled
-        if not (FUSE and args[0].is_cuda):
-            return fn(*args)
-        if compiled is None:  # the first call compiles (before any CUDA graph capture)
-            limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
-            if getattr(torch._dynamo.config, limit) < 64:  # one compile per shape: batches, configs
-                setattr(torch._dynamo.config, limit, 64)
-            try:
-                compiled = torch.compile(fn, dynamic=False)
-                return compiled(*args)
-            except Exception as e:  # an inductor or toolchain problem: run unfused, slower, but right
-                warnings.warn(f"torch.compile of {fn.__name__} failed ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0][:200] if str(e) else ''}); it runs unfused")
-                compiled = fn
-        return compiled(*args)
-    return run
 
 
 def use_triton(x, B):

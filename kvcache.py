@@ -19,6 +19,7 @@ from torch.profiler import record_function
 
 import attention
 import eviction
+import fusion
 import pooling
 
 
@@ -121,7 +122,7 @@ class SubBlockCache:
             join_window_leaver(self.core_ids[layer], self.core_E[layer], self.c_sub[layer], pos, cfg)
 
 
-@attention.fused
+@fusion.fused
 def join_window_leaver(core_ids, core_E, c_sub, pos, cfg):
     """The eviction policy at a decode step, in place: at a block's first token (pos (Bz,)) the block
     n_win + 1 back leaves the window and competes with each row's list (eviction.join_core_list). Its

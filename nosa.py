@@ -47,6 +47,7 @@ import torch
 
 import attention
 import eviction
+import fusion
 import pooling
 
 MODES = ("full", "infllmv2", "dma", "nosa")
@@ -209,7 +210,7 @@ def select(q, K_sub, c_sub, q_pos, nb, cfg, core_ids=None):
     return select_blocks(Q, E, q_pos[:, None], cfg)
 
 
-@attention.fused  # a decode step: the same ops, fused on a GPU
+@fusion.fused  # a decode step: the same ops, fused on a GPU
 def select_step(Q, core_ids, q_pos, cfg):
     return select_blocks(Q, None, q_pos[:, None], cfg, core_ids)
 

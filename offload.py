@@ -39,6 +39,7 @@ from torch.profiler import record_function
 
 import attention
 import eviction
+import fusion
 from kvcache import Cache, SubBlockCache, grow
 
 
@@ -197,7 +198,7 @@ def flush_tails(host, pool, slot_block, block_slot, pos, H_kv, B):
     (ext.flush_tails if ext else flush_tails_triton)(host, pool, slot_block, block_slot, pos, H_kv, B)
 
 
-@attention.fused
+@fusion.fused
 def needed_blocks(sel, pos, active, H_kv, B, k):
     """What a step needs from the slot pool: sel (R, nb) the selected blocks of every row, pos (Bz,),
     active (Bz,). Returns the ascending ids of the selected blocks other than the tail, -1 padded,
@@ -215,7 +216,7 @@ def needed_blocks(sel, pos, active, H_kv, B, k):
 # Statistics
 
 
-@attention.fused
+@fusion.fused
 def count_moves(fetch, n_need, fresh, needed, moved, cold, row_max):
     """Stats of one layer's step, in place: fetch (R, k) the blocks gathered, n_need (R,) the blocks
     selected, fresh (R,) rows at their first step after prefill (cleared here)."""

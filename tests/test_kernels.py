@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import attention
+import fusion
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # fp32 dots run as TF32 on a GPU (about 3e-4 relative error), exactly in the interpreter
@@ -190,7 +191,7 @@ def test_full_attention_decode_bf16(prompt_lens):
 
 
 def test_fused_runs_as_written_off_the_gpu_and_falls_back_when_compiling_fails(monkeypatch):
-    """attention.fused: CPU tensors run the function itself; on a GPU, a torch.compile failure warns
+    """fusion.fused: CPU tensors run the function itself; on a GPU, a torch.compile failure warns
     once, and the function runs unfused from then on."""
     n_compiles = []
 
@@ -198,7 +199,7 @@ def test_fused_runs_as_written_off_the_gpu_and_falls_back_when_compiling_fails(m
         n_compiles.append(fn)
         return lambda *a: (_ for _ in ()).throw(RuntimeError("no C compiler"))
 
-    g = attention.fused(lambda x, n: x * n)
+    g = fusion.fused(lambda x, n: x * n)
     x = torch.randn(3)
     assert torch.equal(g(x, 2), x * 2) and not n_compiles  # CPU: no compile
     monkeypatch.setattr(torch, "compile", broken_compile)
@@ -209,7 +210,7 @@ def test_fused_runs_as_written_off_the_gpu_and_falls_back_when_compiling_fails(m
         def __mul__(self, n):
             return n
 
-    h = attention.fused(lambda x, n: x * n)
+    h = fusion.fused(lambda x, n: x * n)
     with pytest.warns(UserWarning, match="runs unfused"):
         assert h(OnGPU(), 5) == 5
     assert h(OnGPU(), 7) == 7 and len(n_compiles) == 1  # warned and compiled once
