@@ -80,8 +80,7 @@ def evict(core, E, b_new, n_core):
 
 def block_score(c_sub, b, cfg):
     """E of one block per row: c̃ (..., M), b (...,) block ids -> (...,), as eviction_block_scores."""
-    r, p = cfg.B // cfg.s_c, (cfg.l_c - 1) // cfg.s_c
-    m = b[..., None] * r - p + torch.arange(r + p, device=b.device)  # (..., r+p) the overlapping sub-blocks
+    m = pooling.overlapping_subblocks(b, cfg)  # (..., r+p)
     valid = (m >= 0) & (m < c_sub.shape[-1])
     return c_sub.gather(-1, m.clamp(0, c_sub.shape[-1] - 1)).masked_fill(~valid, float("-inf")).amax(-1)
 

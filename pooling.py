@@ -57,14 +57,19 @@ def compress_keys(k, cfg):
     return pool_mean(k.transpose(-1, -2), cfg).transpose(-1, -2)
 
 
+def overlapping_subblocks(b, cfg):
+    """The sub-blocks that overlap block b: b (...,) block ids -> (..., r+p) sub-block ids (some < 0)."""
+    r, p = cfg.B // cfg.s_c, (cfg.l_c - 1) // cfg.s_c
+    return b[..., None] * r - p + torch.arange(r + p, device=b.device)
+
+
 def max_to_blocks(x, nb, cfg):
     """Stage 2: sub-block scores (..., M) -> block scores (..., nb), max over overlapping sub-blocks.
     A block with no complete overlapping sub-block gets -inf."""
     M = x.shape[-1]
-    r, p = cfg.B // cfg.s_c, (cfg.l_c - 1) // cfg.s_c
-    m = torch.arange(nb, device=x.device)[:, None] * r - p + torch.arange(r + p, device=x.device)  # (nb, r+p)
+    m = overlapping_subblocks(torch.arange(nb, device=x.device), cfg)  # (nb, r+p)
     valid = (m >= 0) & (m < M)
-    xm = x[..., m.clamp(0, max(M - 1, 0))] if M > 0 else x.new_zeros(*x.shape[:-1], nb, r + p)  # (..., nb, r+p)
+    xm = x[..., m.clamp(0, max(M - 1, 0))] if M > 0 else x.new_zeros(*x.shape[:-1], *m.shape)  # (..., nb, r+p)
     return xm.masked_fill(~valid, float("-inf")).amax(-1)  # (..., nb)
 
 
