@@ -57,6 +57,21 @@ def rank_desc(score, valid):
     return rank.flip(-1).masked_fill(~valid, n)
 
 
+def top_desc(score, valid, n):
+    """rank_desc(score, valid) < n, the n best valid entries, without sorting the row: the n-th best
+    score by top-k, then the entries tied with it taken from the most recent block down, as many as
+    there is room for (invalid entries count among -inf ties, as in rank_desc)."""
+    score, valid = torch.broadcast_tensors(score, valid)
+    nb = score.shape[-1]
+    if n <= 0 or n >= nb:
+        return valid & (n > 0)
+    s = score.masked_fill(~valid, float("-inf"))
+    kth = s.topk(n, dim=-1).values[..., -1:]  # (..., 1)
+    above, tie = s > kth, s == kth
+    room = n - above.sum(-1, keepdim=True)
+    return valid & (above | tie & (tie.flip(-1).cumsum(-1).flip(-1) <= room))
+
+
 def core_blocks(E, cand, n_core):
     """The core from scratch: the n_core best candidate blocks by E. E (..., nb), cand bool (..., nb)."""
     return cand & (rank_desc(E, cand) < n_core)

@@ -14,21 +14,22 @@ FUSE = os.environ.get("NOSA_FUSE", "1") != "0"  # NOSA_FUSE=0: run fused functio
 
 def fused(fn):
     """fn, on CUDA tensors, compiled by torch.compile into a few Triton kernels (its chains of small
-    ops fused), elsewhere run as written: the torch code is its own twin. For the decode step's
-    bookkeeping, whose shapes are static, so it compiles once per shape (generate.py's warm-up)."""
+    ops fused; matrix products stay cuBLAS calls), elsewhere run as written: the torch code is its own
+    twin. For the decode step, whose shapes are static, so it compiles once per shape (generate.py's
+    warm-up); modules may be arguments (their weights are inputs: one compile serves every layer)."""
     compiled = None
 
     @functools.wraps(fn)
     def run(*args):
         nonlocal compiled
-        if not (FUSE and args[0].is_cuda):
+        if not (FUSE and next(a for a in args if hasattr(a, "is_cuda")).is_cuda):  # the first tensor's device
             return fn(*args)
         if compiled is None:  # the first call compiles (before any CUDA graph capture)
             limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
             if getattr(torch._dynamo.config, limit) < 64:  # one compile per shape: batches, configs
                 setattr(torch._dynamo.config, limit, 64)
             try:
-                compiled = torch.compile(fn, dynamic=False)
+                compiled = torch.compile(fn, dynamic=None)  # a second shape (batch) compiles a dynamic one
                 return compiled(*args)
             except Exception as e:  # an inductor or toolchain problem: run unfused, slower, but right
                 warnings.warn(f"torch.compile of {fn.__name__} failed ({type(e).__name__}: "

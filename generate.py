@@ -128,9 +128,17 @@ class GraphedDecode:
     do not change while every position is below cache.capacity(). Elsewhere (CPU, dense attention,
     a short context, past the capacity) it runs the eager step, which computes the same logits."""
 
-    def __init__(self, model, cache):
+    def __init__(self, model, cache, micro_batches=1):
         self.model, self.cache = model, cache
         self.graph, self.warm = None, False
+        # micro-batches (offload.OffloadCache.split): the batch in parts decoded on their own CUDA streams
+        # inside the one graph, so that one part's gathers (PCIe) overlap the other's compute
+        self.parts = cache.split(micro_batches) if micro_batches > 1 and cache.Bz >= micro_batches else None
+
+    def step(self, tok):  # the eager step: the whole batch, or its parts one after the other
+        if not self.parts:
+            return self.model.decode(tok, self.cache)
+        return torch.cat([self.model.decode(t, p) for t, p in zip(tok.tensor_split(len(self.parts)), self.parts)])
 
     def __call__(self, tok):
         cache, pos = self.cache, int(self.cache.len_cpu.max())
@@ -139,15 +147,27 @@ class GraphedDecode:
         if self.graph is None:
             if not self.warm:  # one eager step first: compiles and initialises what the graph will launch
                 self.warm = True
-                return self.model.decode(tok, cache)
+                return self.step(tok)
             self.tok, self.graph = tok.clone(), torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):  # records, runs nothing; cache.advance's host part runs once
-                self.logits = self.model.decode(self.tok, cache)
+                self.logits = self.step(self.tok) if not self.parts else self.side_by_side(self.tok)
         else:
             self.tok.copy_(tok)
             cache.advance_host()
         self.graph.replay()
         return self.logits.clone()  # the next replay overwrites the graph's output
+
+    def side_by_side(self, tok):
+        """The parts' steps, each on a stream of its own, forked from and joined to the current one."""
+        main, outs = torch.cuda.current_stream(), []
+        streams = [torch.cuda.Stream() for _ in self.parts]
+        for t, part, s in zip(tok.tensor_split(len(self.parts)), self.parts, streams):
+            s.wait_stream(main)
+            with torch.cuda.stream(s):
+                outs.append(self.model.decode(t, part))
+        for s in streams:
+            main.wait_stream(s)
+        return torch.cat(outs)
 
 
 # -----------------------------------------------------------------------------

@@ -14,6 +14,8 @@ that ended. KVCache keeps everything on the device; offload.OffloadCache keeps t
 memory and only the selected ones on the GPU (NOSI). Both share Cache (the lengths) and
 SubBlockCache (the pooled caches).
 """
+import copy
+
 import torch
 from torch.profiler import record_function
 
@@ -76,6 +78,14 @@ class SubBlockCache:
     def __getitem__(self, layer):
         return self.K_sub[layer], self.c_sub[layer]
 
+    def rows(self, a, b):
+        """The caches of sequences a..b-1 (views; see offload.OffloadCache.split)."""
+        part = copy.copy(self)
+        for name in ("ring_k", "ring_c", "K_sub", "c_sub", "core_ids", "core_E"):
+            if getattr(self, name) is not None:
+                setattr(part, name, [t[a:b] for t in getattr(self, name)])
+        return part
+
     def prefill(self, layer, seq, k, c):
         """k (H_kv, T, d), c (H_kv, T) or None: one whole sequence."""
         cfg, T = self.cfg, k.shape[1]
@@ -101,28 +111,37 @@ class SubBlockCache:
         """k (Bz, H_kv, d), c (Bz, H_kv) or None, written at positions pos (Bz,); when a sub-block
         completes (every s_c tokens, per sequence) its mean joins K̃ and c̃. max_pos: the largest
         position, known on the host, so that nothing here waits for the device."""
-        cfg, rows = self.cfg, torch.arange(k.shape[0], device=k.device)
-        self.ring_k[layer][rows, :, pos % cfg.l_c] = k
-        if c is not None:
-            self.ring_c[layer][rows, :, pos % cfg.l_c] = c
-        if max_pos + 1 < cfg.l_c:
-            return
-        self.K_sub[layer] = grow(self.K_sub[layer], pooling.n_subblocks(max_pos + 1, cfg), 2)
-        self.c_sub[layer] = grow(self.c_sub[layer], pooling.n_subblocks(max_pos + 1, cfg), 2)
-        start = pos + 1 - cfg.l_c  # first token of the sub-block that ends at pos, (Bz,)
-        done = ((start >= 0) & (start % cfg.s_c == 0))[:, None]  # (Bz, 1)
-        m = (start // cfg.s_c).clamp(min=0)  # (Bz,)
-        order = (start[:, None] + torch.arange(cfg.l_c, device=k.device)) % cfg.l_c  # ring in token order
-        new = self.ring_k[layer][rows[:, None], :, order].mean(1)  # (Bz, H_kv, d)
-        self.K_sub[layer][rows, :, m] = torch.where(done[..., None], new, self.K_sub[layer][rows, :, m])
-        if c is not None:
-            new = self.ring_c[layer][rows[:, None], :, order].mean(1)  # (Bz, H_kv)
-            self.c_sub[layer][rows, :, m] = torch.where(done, new, self.c_sub[layer][rows, :, m])
-        if self.core_ids:
-            join_window_leaver(self.core_ids[layer], self.core_E[layer], self.c_sub[layer], pos, cfg)
+        pooled = max_pos + 1 >= self.cfg.l_c  # some sequence may have completed a sub-block
+        if pooled:
+            self.K_sub[layer] = grow(self.K_sub[layer], pooling.n_subblocks(max_pos + 1, self.cfg), 2)
+            self.c_sub[layer] = grow(self.c_sub[layer], pooling.n_subblocks(max_pos + 1, self.cfg), 2)
+        core = (self.core_ids[layer], self.core_E[layer]) if self.core_ids else (None, None)
+        append_subblocks(self.ring_k[layer], self.ring_c[layer], self.K_sub[layer], self.c_sub[layer], *core, k, c, pos,
+                         self.cfg, pooled)
 
 
 @fusion.fused
+def append_subblocks(ring_k, ring_c, K_sub, c_sub, core_ids, core_E, k, c, pos, cfg, pooled):
+    """SubBlockCache.append on one layer's buffers, in place (fused on a GPU)."""
+    rows = torch.arange(k.shape[0], device=k.device)
+    ring_k[rows, :, pos % cfg.l_c] = k
+    if c is not None:
+        ring_c[rows, :, pos % cfg.l_c] = c
+    if not pooled:
+        return
+    start = pos + 1 - cfg.l_c  # first token of the sub-block that ends at pos, (Bz,)
+    done = ((start >= 0) & (start % cfg.s_c == 0))[:, None]  # (Bz, 1)
+    m = (start // cfg.s_c).clamp(min=0)  # (Bz,)
+    order = (start[:, None] + torch.arange(cfg.l_c, device=k.device)) % cfg.l_c  # ring in token order
+    new = ring_k[rows[:, None], :, order].mean(1)  # (Bz, H_kv, d)
+    K_sub[rows, :, m] = torch.where(done[..., None], new, K_sub[rows, :, m])
+    if c is not None:
+        new = ring_c[rows[:, None], :, order].mean(1)  # (Bz, H_kv)
+        c_sub[rows, :, m] = torch.where(done, new, c_sub[rows, :, m])
+    if core_ids is not None:
+        join_window_leaver(core_ids, core_E, c_sub, pos, cfg)
+
+
 def join_window_leaver(core_ids, core_E, c_sub, pos, cfg):
     """The eviction policy at a decode step, in place: at a block's first token (pos (Bz,)) the block
     n_win + 1 back leaves the window and competes with each row's list (eviction.join_core_list). Its

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.profiler import record_function
 
 import eviction
+import fusion
 import nosa
 import pooling
 
@@ -98,21 +99,20 @@ class Attention(nn.Module):
             cache.prefill(layer, seq, k[0], v[0], None if c is None else c[0])
         return self.o_proj(o.transpose(1, 2).reshape(Bz, T, -1))
 
-    def decode(self, x, layer, rope, cache):
-        """One token per sequence: x (Bz, 1, dim), each sequence at its own position cache.len."""
-        cfg, Bz = self.cfg, x.shape[0]
-        pos = cache.len  # (Bz,)
-        q, k, v, c = self.qkvc(x, rope)
+    def decode(self, q, k, v, c, layer, cache):
+        """One token per sequence, each at its own position cache.len: q (Bz, H_q, 1, d), k, v
+        (Bz, H_kv, 1, d), c (Bz, H_kv, 1) or None from qkvc -> the attention output (Bz, 1, H_q * d)."""
+        cfg, Bz = self.cfg, q.shape[0]
         cache.append(layer, k[:, :, 0], v[:, :, 0], None if c is None else c[:, :, 0])
         block_mask = None
         if cfg.sparse:
             with record_function("selection"):  # exactly as the parallel forward selects, from the pooled caches
                 K_sub, c_sub = cache.sub[layer]
                 core_ids = cache.sub.core_ids[layer] if cache.sub.core_ids else None  # E's best candidates
-                block_mask = nosa.select(q, K_sub, None if c is None else c_sub, pos[:, None], cache.n_blocks(), cfg,
-                                         core_ids)
+                block_mask = nosa.select(q, K_sub, None if c is None else c_sub, cache.len[:, None], cache.n_blocks(),
+                                         cfg, core_ids)
         o = cache.attend(layer, q, block_mask)  # (Bz, H_q, 1, d)
-        return self.o_proj(o.transpose(1, 2).reshape(Bz, 1, -1))
+        return o.transpose(1, 2).reshape(Bz, 1, -1)
 
 
 class MLP(nn.Module):
@@ -134,11 +134,26 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, layer, rope, cache=None, seq=None, decode=False):
-        h = self.input_layernorm(x)
-        h = self.self_attn.decode(h, layer, rope, cache) if decode else self.self_attn(h, layer, rope, cache, seq)
-        x = x + h
+    def forward(self, x, layer, rope, cache=None, seq=None):
+        x = x + self.self_attn(self.input_layernorm(x), layer, rope, cache, seq)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def decode(self, x, layer, rope, cache):
+        """forward for one new token per sequence against a cache, in three parts: the matrix products
+        and the small operations around them (fused on a GPU), and between them the sparse attention."""
+        o = self.self_attn.decode(*block_in(self, x, rope), layer, cache)
+        return block_out(self, x, o)
+
+
+@fusion.fused
+def block_in(block, x, rope):  # a decode step's input norm, projections, RoPE and eviction score
+    return block.self_attn.qkvc(block.input_layernorm(x), rope)
+
+
+@fusion.fused
+def block_out(block, x, o):  # its output projection, residuals and MLP
+    x = x + block.self_attn.o_proj(o)
+    return x + block.mlp(block.post_attention_layernorm(x))
 
 
 class Transformer(nn.Module):
@@ -187,7 +202,7 @@ class Transformer(nn.Module):
         x = self.embed_tokens(tok[:, None])  # (Bz, 1, dim)
         rope = self.rope(cache.len[:, None], x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, i, rope, cache, decode=True)
+            x = layer.decode(x, i, rope, cache)
         cache.advance()
         return self.lm_head(self.norm(x))[:, 0]
 

@@ -170,7 +170,7 @@ def select_blocks(Q, E, q_pos, cfg, core_ids=None):
     causal = b <= q_blk  # (..., T, nb)
     forced = causal & ((b < cfg.n_sink) | (b >= q_blk - cfg.n_win))  # F(t)
     cand = causal & ~forced
-    pick_q = cand & (eviction.rank_desc(Q, cand) < cfg.k_q_free)  # Γ_q(t) \ F(t)
+    pick_q = eviction.top_desc(Q, cand, cfg.k_q_free)  # Γ_q(t) \ F(t)
     # E-picks: the core, with the core members Q already took replaced by the next best by E
     if core_ids is not None:  # the first n_core members of the list that Q did not take
         ids = core_ids.unsqueeze(-2).expand(*Q.shape[:-1], core_ids.shape[-1])  # (..., T, n)

@@ -26,6 +26,7 @@ Per decode step and layer (model.Attention.decode calls append, then attend):
 By the locality theorem (nosa.py) step 4 moves at most k_q - 1 units per row and step. The small
 tensor operations of steps 2-3 (needed_blocks, count_moves) are compiled into a few kernels on a GPU.
 """
+import copy
 import math
 import os
 import sys
@@ -184,11 +185,17 @@ def set_difference(need, slot_block, block_slot, fetch):
     (ext.set_difference if ext else set_difference_torch)(need, slot_block, block_slot, fetch)
 
 
+GATHER_CTAS = int(os.environ.get("NOSA_GATHER_CTAS", "0"))  # > 0: the gather's thread blocks, at most
+
+
 def gather_units(host, pool, fetch):
     if not (pool.is_cuda and host.is_pinned()):
         return gather_units_torch(host, pool, fetch)
     ext = _kernels(pool.device)
-    (ext.gather_units if ext else gather_units_triton)(host, pool, fetch)
+    if ext:
+        ext.gather_units(host, pool, fetch, GATHER_CTAS)
+    else:
+        gather_units_triton(host, pool, fetch)
 
 
 def flush_tails(host, pool, slot_block, block_slot, pos, H_kv, B):
@@ -212,44 +219,73 @@ def needed_blocks(sel, pos, active, H_kv, B, k):
     return ids[:, :k].contiguous(), need.sum(1)
 
 
+@fusion.fused
+def write_tail(pool, c_all, k, v, c, pos, B):
+    """The new token into the tail blocks (the pool's last slot), in place: pool (R, k + 1, 2, B, d),
+    c_all (Bz, H_kv, S); k, v (Bz, H_kv, d), c (Bz, H_kv) or None at positions pos (Bz,)."""
+    Bz, H_kv, d = k.shape
+    rows, slot = torch.arange(Bz * H_kv, device=k.device), (pos % B).repeat_interleave(H_kv)  # (R,)
+    tail = torch.full_like(rows, pool.shape[1] - 1)
+    kv = torch.stack([k.reshape(-1, d), v.reshape(-1, d)], 1)  # (R, 2, d)
+    # one index_put_ on the pool itself: compiled, it writes in place (through a view it copies the pool)
+    pool.index_put_((rows[:, None], tail[:, None], torch.arange(2, device=k.device), slot[:, None]), kv)
+    if c is not None:
+        c_all[torch.arange(Bz, device=k.device), :, pos] = c
+
+
 # -----------------------------------------------------------------------------
 # Statistics
 
 
 @fusion.fused
-def count_moves(fetch, n_need, fresh, needed, moved, cold, row_max):
-    """Stats of one layer's step, in place: fetch (R, k) the blocks gathered, n_need (R,) the blocks
-    selected, fresh (R,) rows at their first step after prefill (cleared here)."""
+def count_moves(fetch, n_need, fresh, needed, moved, cold, steps, row_max):
+    """Stats of one layer's step, in place, per row: fetch (R, k) the blocks gathered, n_need (R,)
+    the blocks selected, fresh (R,) rows at their first step after prefill (cleared here)."""
     n_moved = (fetch >= 0).sum(1)  # (R,)
-    needed += torch.where(fresh, 0, n_need).sum()
-    moved += torch.where(fresh, 0, n_moved).sum()
-    cold += torch.where(fresh, n_moved, 0).sum()
-    row_max.copy_(torch.maximum(row_max, torch.where(fresh, 0, n_moved).max()))
+    needed += torch.where(fresh, 0, n_need)
+    moved += torch.where(fresh, 0, n_moved)
+    cold += torch.where(fresh, n_moved, 0)
+    steps += ~fresh
+    row_max.copy_(torch.maximum(row_max, torch.where(fresh, 0, n_moved)))
     fresh.zero_()
 
 
 class Stats:
-    """Per-layer counters kept on the device (no sync while decoding), read once at the end. The first
-    step after a row's prefill gathers its whole selection (nothing is resident yet): those cold
-    gathers are counted apart, so the hit rate is the steady state the locality theorem bounds.
-    Times are for the profiler (generate.py --profile, python -m bench): the step's parts are ranges."""
+    """Counters per (layer, row) kept on the device (no sync while decoding; rows apart, so micro-
+    batches never add into the same entry), read once at the end. The first step after a row's
+    prefill gathers its whole selection (nothing is resident yet): those cold gathers are counted
+    apart, so the hit rate is the steady state the locality theorem bounds. Times are for the
+    profiler (generate.py --profile, python -m bench): the step's parts are ranges."""
 
-    def __init__(self, n_layer, unit_bytes, device):
+    def __init__(self, n_layer, R, unit_bytes, device):
         self.unit_bytes = unit_bytes
-        self.needed = torch.zeros(n_layer, dtype=torch.long, device=device)  # selected non-tail blocks
-        self.moved = torch.zeros(n_layer, dtype=torch.long, device=device)  # of those, gathered from host
-        self.cold = torch.zeros(n_layer, dtype=torch.long, device=device)  # gathered at a row's first step
-        self.row_max = torch.zeros((), dtype=torch.long, device=device)  # most one row gathered in one step
-        self.steps = 0
+        new = lambda: torch.zeros(n_layer, R, dtype=torch.long, device=device)
+        self.needed, self.moved = new(), new()  # selected non-tail blocks; of those, gathered from host
+        self.cold = new()  # gathered at a row's first step
+        self.stepped = new()  # steps after the first
+        self.row_max = torch.zeros(R, dtype=torch.long, device=device)  # most one row gathered in one step
+
+    def rows(self, a, b):
+        """The counters of rows a..b-1 (views: they count into these)."""
+        part = Stats.__new__(Stats)
+        part.unit_bytes = self.unit_bytes
+        for name in ("needed", "moved", "cold", "stepped"):
+            setattr(part, name, getattr(self, name)[:, a:b])
+        part.row_max = self.row_max[a:b]
+        return part
+
+    @property
+    def steps(self):  # decode steps after the first (the longest-running row's)
+        return int(self.stepped[0].max()) if self.stepped.numel() else 0
 
     def summary(self):
         needed, moved = self.needed.sum().item(), self.moved.sum().item()
-        per_layer = (1 - self.moved / self.needed.clamp(min=1)).tolist()
+        per_layer = (1 - self.moved.sum(1) / self.needed.sum(1).clamp(min=1)).tolist()
         steps = max(self.steps, 1)
         return (f"hit rate: {100 * (1 - moved / max(needed, 1)):.1f}% (per layer: "
                 f"{' '.join(f'{100 * h:.1f}' for h in per_layer)}) | blocks moved per step: {moved / steps:.1f} | "
                 f"bytes moved per step: {moved * self.unit_bytes / steps / 1e6:.3f} MB | most blocks one row "
-                f"moved in a step: {self.row_max.item()} | after prefill: {self.cold.sum().item()} blocks")
+                f"moved in a step: {self.row_max.max().item()} | after prefill: {self.cold.sum().item()} blocks")
 
 
 # -----------------------------------------------------------------------------
@@ -351,7 +387,7 @@ class OffloadCache(Cache):
         cdt = torch.promote_types(dtype, torch.float32)
         self.c = [torch.zeros(Bz, H, max_len if cfg.eviction_head else 0, dtype=cdt, device=device) for _ in range(L)]
         self.sub = SubBlockCache(cfg, Bz, device, dtype, max_len)
-        self.stats = Stats(L, unit, device)
+        self.stats = Stats(L, R, unit, device)
 
     def _host_alloc(self, R, cap, dtype):
         cfg = self.cfg
@@ -393,13 +429,25 @@ class OffloadCache(Cache):
         if layer == cfg.n_layer - 1:
             self.set_length(seq, T)
 
-    def advance_host(self):
-        super().advance_host()
-        self.stats.steps += 1
-
     def finish(self, done):
         """done (Bz,): sequences that ended. Their rows stop selecting blocks, so they move nothing."""
         self.active.copy_(~done)
+
+    def split(self, n):
+        """n caches over consecutive slices of the batch that share this one's memory (views): micro-
+        batches whose decode steps can run side by side, one's gathers under the other's compute
+        (generate.GraphedDecode). Only while every position is below capacity(): no buffer may grow."""
+        parts, H = [], self.cfg.H_kv
+        for seqs in torch.arange(self.Bz).tensor_split(n):
+            a, b = int(seqs[0]), int(seqs[-1]) + 1
+            part = copy.copy(self)
+            part.Bz, part.len, part.len_cpu, part.active = b - a, self.len[a:b], self.len_cpu[a:b], self.active[a:b]
+            for name in ("host", "pool", "tail", "slot_block", "block_slot", "fetch", "fresh"):
+                setattr(part, name, [t[a * H:b * H] for t in getattr(self, name)])
+            part.c = [t[a:b] for t in self.c]
+            part.sub, part.stats = self.sub.rows(a, b), self.stats.rows(a * H, b * H)
+            parts.append(part)
+        return parts
 
     def capacity(self):  # positions below which a decode step keeps its shapes (generate.GraphedDecode)
         return self.max_len
@@ -412,13 +460,9 @@ class OffloadCache(Cache):
         cfg, pos = self.cfg, self.len
         max_pos = int(self.len_cpu.max())
         self._ensure_blocks(layer, max_pos // cfg.B + 1)
-        rows = torch.arange(self.Bz * cfg.H_kv, device=self.device)
-        slot = (pos % cfg.B).repeat_interleave(cfg.H_kv)  # (R,)
-        self.tail[layer][rows, 0, slot] = k.reshape(-1, cfg.head_dim)
-        self.tail[layer][rows, 1, slot] = v.reshape(-1, cfg.head_dim)
         if c is not None:
             self.c[layer] = grow(self.c[layer], max_pos + 1, 2)
-            self.c[layer][torch.arange(self.Bz, device=self.device), :, pos] = c
+        write_tail(self.pool[layer], self.c[layer], k, v, c, pos, cfg.B)
         self.sub.append(layer, k, c, pos, max_pos)
 
     def attend(self, layer, q, block_mask):
@@ -430,7 +474,7 @@ class OffloadCache(Cache):
             set_difference(need_ids, self.slot_block[layer], self.block_slot[layer], self.fetch[layer])
             s = self.stats
             count_moves(self.fetch[layer], n_need, self.fresh[layer], s.needed[layer], s.moved[layer], s.cold[layer],
-                        s.row_max)
+                        s.stepped[layer], s.row_max)
             gather_units(self.host[layer], self.pool[layer], self.fetch[layer])
         with record_function("attention"):
             bias = eviction.attention_bias(self.c[layer], cfg.attn) if cfg.eviction_head else None

@@ -12,7 +12,9 @@
 // gather_units: for every (row, slot) with fetch >= 0, copy host[row, fetch] -> pool[row, slot].
 //   The host store is pinned, so with unified virtual addressing a kernel reads it directly through
 //   its device pointer (cudaHostGetDevicePointer): one launch moves every missed block of a layer
-//   as 16-byte vector reads, many PCIe requests in flight, instead of one memcpy per block.
+//   as 16-byte vector reads, many PCIe requests in flight, instead of one memcpy per block. With
+//   ctas > 0 at most that many thread blocks loop over the units, leaving the other SMs to kernels
+//   running beside the gather on another stream (micro-batches, generate.GraphedDecode).
 // flush_tails: for every row whose tail block (pool slot k) has just been filled (pos % B == B - 1),
 //   write it to host[row, pos / B] through the same mapping and copy it into the first free slot,
 //   updating both tables. Rows whose tail is not full return at once, so the host never has to
@@ -85,24 +87,25 @@ constexpr int UNROLL = 4;  // 16-byte loads each thread keeps in flight before i
 __global__ void gather_units_kernel(const int4* __restrict__ host,    // (R, cap, U16) in pinned memory
                                     int4* __restrict__ pool,          // (R, n_slots >= k, U16) on the device
                                     const int64_t* __restrict__ fetch,  // (R, k)
-                                    int64_t k, int64_t n_slots, int64_t cap, int64_t U16) {
-  int64_t rs = blockIdx.x;  // (row, slot)
-  int64_t b = fetch[rs];
-  if (b < 0) return;
-  int64_t row = rs / k, slot = rs % k;
-  const int4* src = host + (row * cap + b) * U16;
-  int4* dst = pool + (row * n_slots + slot) * U16;
-  for (int64_t base = threadIdx.x; base < U16; base += (int64_t)THREADS * UNROLL) {
-    int4 buf[UNROLL];
+                                    int64_t n_rs, int64_t k, int64_t n_slots, int64_t cap, int64_t U16) {
+  for (int64_t rs = blockIdx.x; rs < n_rs; rs += gridDim.x) {  // (row, slot) pairs
+    int64_t b = fetch[rs];
+    if (b < 0) continue;
+    int64_t row = rs / k, slot = rs % k;
+    const int4* src = host + (row * cap + b) * U16;
+    int4* dst = pool + (row * n_slots + slot) * U16;
+    for (int64_t base = threadIdx.x; base < U16; base += (int64_t)THREADS * UNROLL) {
+      int4 buf[UNROLL];
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      int64_t i = base + (int64_t)u * THREADS;
-      if (i < U16) buf[u] = src[i];
-    }
+      for (int u = 0; u < UNROLL; ++u) {
+        int64_t i = base + (int64_t)u * THREADS;
+        if (i < U16) buf[u] = src[i];
+      }
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      int64_t i = base + (int64_t)u * THREADS;
-      if (i < U16) dst[i] = buf[u];
+      for (int u = 0; u < UNROLL; ++u) {
+        int64_t i = base + (int64_t)u * THREADS;
+        if (i < U16) dst[i] = buf[u];
+      }
     }
   }
 }
@@ -144,6 +147,14 @@ __global__ void flush_tails_kernel(int4* __restrict__ host,              // (R, 
     TORCH_CHECK(e == cudaSuccess, "uva_copy: ", #call, " failed: ", cudaGetErrorString(e)); \
   } while (0)
 
+void* device_pointer(const torch::Tensor& host) {
+  // the device address of pinned host memory (UVA): the registered base's, plus the view's offset
+  const char* base = static_cast<const char*>(host.storage().data());
+  void* dev = nullptr;
+  CHECK_CUDA(cudaHostGetDevicePointer(&dev, const_cast<char*>(base), 0));
+  return static_cast<char*>(dev) + (static_cast<const char*>(host.data_ptr()) - base);
+}
+
 }  // namespace
 
 void set_difference(torch::Tensor need, torch::Tensor slot_block, torch::Tensor block_slot, torch::Tensor fetch) {
@@ -162,7 +173,7 @@ void set_difference(torch::Tensor need, torch::Tensor slot_block, torch::Tensor 
   CHECK_CUDA(cudaGetLastError());
 }
 
-void gather_units(torch::Tensor host, torch::Tensor pool, torch::Tensor fetch) {
+void gather_units(torch::Tensor host, torch::Tensor pool, torch::Tensor fetch, int64_t ctas) {
   TORCH_CHECK(!host.is_cuda() && host.is_pinned(), "uva_copy: the host store must be pinned CPU memory");
   TORCH_CHECK(pool.is_cuda() && fetch.is_cuda() && fetch.scalar_type() == torch::kInt64, "uva_copy: bad pool/fetch");
   TORCH_CHECK(host.is_contiguous() && pool.is_contiguous() && fetch.is_contiguous(), "contiguous tensors expected");
@@ -173,11 +184,10 @@ void gather_units(torch::Tensor host, torch::Tensor pool, torch::Tensor fetch) {
   TORCH_CHECK(pool.size(0) == R && fetch.size(0) == R && n_slots >= k, "uva_copy: shapes disagree");
   TORCH_CHECK(pool.numel() / (R * n_slots) * pool.element_size() == unit_bytes, "uva_copy: unit sizes differ");
   if (R * k == 0) return;
-  void* dev_ptr = nullptr;
-  CHECK_CUDA(cudaHostGetDevicePointer(&dev_ptr, host.data_ptr(), 0));
-  gather_units_kernel<<<R * k, THREADS, 0, at::cuda::getCurrentCUDAStream()>>>(
-      static_cast<const int4*>(dev_ptr), static_cast<int4*>(pool.data_ptr()), fetch.data_ptr<int64_t>(), k, n_slots,
-      cap, unit_bytes / 16);
+  int64_t grid = ctas > 0 ? std::min(ctas, R * k) : R * k;  // ctas: at most that many blocks, each loops
+  gather_units_kernel<<<grid, THREADS, 0, at::cuda::getCurrentCUDAStream()>>>(
+      static_cast<const int4*>(device_pointer(host)), static_cast<int4*>(pool.data_ptr()), fetch.data_ptr<int64_t>(),
+      R * k, k, n_slots, cap, unit_bytes / 16);
   CHECK_CUDA(cudaGetLastError());
 }
 
@@ -196,16 +206,15 @@ void flush_tails(torch::Tensor host, torch::Tensor pool, torch::Tensor slot_bloc
   TORCH_CHECK(pool.size(0) == R && pool.size(1) == k + 1 && block_slot.size(1) == cap && pos.size(0) * H_kv == R,
               "uva_copy: shapes disagree");
   if (R == 0) return;
-  void* dev_ptr = nullptr;
-  CHECK_CUDA(cudaHostGetDevicePointer(&dev_ptr, host.data_ptr(), 0));
   flush_tails_kernel<<<R, THREADS, 0, at::cuda::getCurrentCUDAStream()>>>(
-      static_cast<int4*>(dev_ptr), static_cast<int4*>(pool.data_ptr()), slot_block.data_ptr<int64_t>(),
+      static_cast<int4*>(device_pointer(host)), static_cast<int4*>(pool.data_ptr()), slot_block.data_ptr<int64_t>(),
       block_slot.data_ptr<int64_t>(), pos.data_ptr<int64_t>(), H_kv, B, k, cap, unit_bytes / 16);
   CHECK_CUDA(cudaGetLastError());
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_difference", &set_difference, "slot-pool set difference (in place), fetch list out");
-  m.def("gather_units", &gather_units, "UVA gather of KV units from pinned host memory into the slot pool");
+  m.def("gather_units", &gather_units, "UVA gather of KV units from pinned host memory into the slot pool",
+        py::arg("host"), py::arg("pool"), py::arg("fetch"), py::arg("ctas") = 0);
   m.def("flush_tails", &flush_tails, "full tail blocks: write back to the host store, keep in a free slot");
 }

@@ -48,6 +48,8 @@ if __name__ == "__main__":
     p.add_argument("--budget-gb", type=float, default=24.0, help="throughput: GPU memory budget")
     p.add_argument("--steps", type=int, default=256, help="throughput: timed decode steps")
     p.add_argument("--host-gb", type=float, help="throughput: host memory budget (default: what is available)")
+    p.add_argument("--micro-batches", default="1",
+                   help="throughput: offloading systems once per count, e.g. 1,2 (parts decoded side by side)")
     p.add_argument("--trained", action="store_true", help="throughput: the trained models in --ckpts, real prompts")
     p.add_argument("--systems", help=f"throughput: some of {','.join(throughput_.SYSTEMS)} (default: all); "
                                      f"quality: some of {','.join(quality.SYSTEMS)} (default: all)")
@@ -55,6 +57,7 @@ if __name__ == "__main__":
     p.add_argument("--gen-len", type=int, default=1024, help="quality: tokens generated (and teacher-forced window)")
     a = p.parse_args()
     kw = dict(shape=a.shape, prompt_len=a.prompt_len, budget_gb=a.budget_gb, steps=a.steps, host_gb=a.host_gb,
-              trained=a.trained) if a.what == "throughput" else {}
+              trained=a.trained, micro_batches=tuple(int(m) for m in a.micro_batches.split(","))
+              ) if a.what == "throughput" else {}
     checkpoint.run_cli(main, a.what, a.json, a.ckpts, checkpoint_dir=a.checkpoint, judge=a.judge, gen_len=a.gen_len,
                        systems=a.systems.split(",") if a.systems else None, **kw)

@@ -50,25 +50,26 @@ def fill_random(cache, cfg, Bz, prompt_len, dev, dtype):
 
 
 @torch.no_grad()
-def activation_bytes(model, new_cache, prompt_len):
+def activation_bytes(model, new_cache, prompt_len, micro_batches=1):
     """(a0, a1): GPU memory a graphed decode step needs beyond weights and cache, a0 + a1 * batch,
-    from the measured peaks at batch 1 and 2 (prefill, eager steps, capture and replay)."""
+    from the measured peaks at batch m and 2m, m micro-batches (prefill, eager steps, capture, replay)."""
     from generate import GraphedDecode
-    peaks = []
-    for n in (1, 2):
+    peaks, ns = [], (micro_batches, 2 * micro_batches)
+    for n in ns:
         cache = new_cache(n)
         fill_random(cache, model.cfg, n, prompt_len, "cuda", model.embed_tokens.weight.dtype)
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        step, tok = GraphedDecode(model, cache), torch.zeros(n, dtype=torch.long, device="cuda")
+        step, tok = GraphedDecode(model, cache, micro_batches), torch.zeros(n, dtype=torch.long, device="cuda")
         for _ in range(4):  # eager, eager (warm-up), capture + replay, replay
             tok = step(tok).argmax(-1)
         torch.cuda.synchronize()
         peaks.append(torch.cuda.max_memory_allocated() - base)
         del cache, step
         torch.cuda.empty_cache()
-    return 2 * peaks[0] - peaks[1], max(peaks[1] - peaks[0], 0)
+    a1 = max(peaks[1] - peaks[0], 0) / (ns[1] - ns[0])
+    return peaks[0] - a1 * ns[0], a1
 
 
 def real_prompts(tok, n, T):
@@ -85,7 +86,7 @@ SYSTEMS = {"full": ("full, resident cache", "full", False),
 
 
 def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, warmup=8, batch_limit=256,
-                     host_gb=None, ckpts=None, eager_steps=8, systems=tuple(SYSTEMS)):
+                     host_gb=None, ckpts=None, eager_steps=8, systems=tuple(SYSTEMS), micro_batches=(1,)):
     """Steady-state decode tokens/s at a fixed GPU memory budget. Each system gets the largest batch
     whose weights + KV cache (offload.cache_bytes) + activations fit the budget, the activations
     measured: the peak of a graphed step at batch 1 and 2 beyond the cache, extrapolated linearly
@@ -94,7 +95,8 @@ def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, w
     worst case, not a trained model's. With ckpts (train.py's tiny models: DIR/tiny-{nosa,full,infllmv2})
     the prompts are real text run through each trained model: real selections.
     Per system: eager steps split by phase (weights, selection, transfer, attention: the profiler's
-    ranges), then the same step as a CUDA graph (generate.GraphedDecode)."""
+    ranges), then the same step as a CUDA graph (generate.GraphedDecode); offloading systems once per
+    number of micro-batches asked for (their parts run side by side in the graph)."""
     from dataclasses import replace
     from generate import GraphedDecode
     from kvcache import KVCache
@@ -111,7 +113,8 @@ def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, w
               "(hit_rate_bound), not at a trained model's")
     host_budget = host_gb * 2**30 if host_gb else offload.host_bytes_available()
     rows, prompts = [], None
-    for system, attn, use_offload in (SYSTEMS[s] for s in systems):
+    runs = [(SYSTEMS[s], m) for s in systems for m in (micro_batches if SYSTEMS[s][2] else (1,))]
+    for (system, attn, use_offload), mb in runs:
         torch.manual_seed(0)
         if ckpts:
             model, tok = checkpoint.load(trained_path(ckpts, attn), dev, dtype, max_seq_len=max_len)
@@ -124,13 +127,13 @@ def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, w
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         new_cache = lambda n: (offload.OffloadCache(cfg, n, dev, dtype, max_len=max_len, host_budget=host_budget)
                                if use_offload else KVCache(cfg, n, dev, dtype, max_len))
-        act0, act1 = activation_bytes(model, new_cache, prompt_len) if cuda else (0, 0)
+        act0, act1 = activation_bytes(model, new_cache, prompt_len, mb) if cuda else (0, 0)
         free = budget_gb * 2**30 - weights
         Bz = min(batch_limit, offload.max_batch(cfg, max_len, dtype, free - act0, host_budget if use_offload else None,
                                                 offload=use_offload))
         while Bz and offload.cache_bytes(cfg, Bz, max_len, dtype, use_offload)[0] + act0 + act1 * Bz > free:
             Bz -= 1
-        row = dict(system=system, batch=Bz)
+        row = dict(system=system, micro_batches=mb, batch=Bz)
         rows.append(row)
         if Bz == 0:
             continue
@@ -164,7 +167,7 @@ def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, w
             tok_, split, gather_ms = split_by_phase(step, tok_, eager_steps, cuda)
             if use_offload:  # gather kernel time and bytes over the profiled steps
                 moved = (cache.stats.moved.sum().item() - moved0) * cache.stats.unit_bytes / eager_steps
-            graphed = GraphedDecode(model, cache)
+            graphed = GraphedDecode(model, cache, mb)
             gstep = lambda t: graphed(t).argmax(-1)
             timed(gstep, warmup)  # warm-up, capture
             needed0, moved0 = ((cache.stats.needed.sum().item(), cache.stats.moved.sum().item()) if use_offload

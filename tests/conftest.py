@@ -38,16 +38,17 @@ def make_model(attn, dtype, **kw):
     return model
 
 
-def decode_logits(model, idx, prompt_lens, cache=None, graphed=False):
+def decode_logits(model, idx, prompt_lens, cache=None, graphed=False, micro_batches=1):
     """Prefill each sequence's prompt, then decode the rest of idx one token per step (through
-    GraphedDecode if graphed); returns the logits at every position from the last prompt token on,
-    per sequence. The cache defaults to a growing KVCache on idx's device."""
+    GraphedDecode if graphed, in micro-batches if asked); returns the logits at every position from
+    the last prompt token on, per sequence. The cache defaults to a growing KVCache on idx's device."""
     cache = cache or KVCache(model.cfg, len(prompt_lens), idx.device, model.embed_tokens.weight.dtype)
-    decode = GraphedDecode(model, cache) if graphed else lambda tok: model.decode(tok, cache)
     out = [[] for _ in prompt_lens]
     with torch.no_grad():
         for i, P in enumerate(prompt_lens):
             out[i].append(model(idx[i:i + 1, :P], cache, seq=i)[0, -1])
+        decode = GraphedDecode(model, cache, micro_batches)
+        decode = decode if graphed else decode.step
         for s in range(idx.shape[1] - max(prompt_lens)):
             logits = decode(torch.stack([idx[i, P + s] for i, P in enumerate(prompt_lens)]))
             for i in range(len(prompt_lens)):

@@ -131,6 +131,17 @@ def test_rank_ties_prefer_recent():
     assert r.tolist() == [2, 0, 1, 4]
 
 
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), nb=st.integers(1, 40), n=st.integers(0, 44))
+def test_top_k_without_sort_equals_rank(data, nb, n):
+    """eviction.top_desc (top-k and a tie count: decode's query-aware picks) == rank_desc < n, with
+    many ties and -inf scores."""
+    score = torch.tensor(data.draw(st.lists(st.sampled_from([-2.0, 0.0, 1.0, 3.0, float("-inf")]), min_size=nb,
+                                            max_size=nb)))
+    valid = torch.tensor(data.draw(st.lists(st.booleans(), min_size=nb, max_size=nb)))
+    assert torch.equal(eviction.top_desc(score, valid, n), valid & (eviction.rank_desc(score, valid) < n))
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_parallel_selection_equals_decode_selection(tied):
     """The selection of token t in the parallel forward equals that at step t of decoding, which
