@@ -158,16 +158,23 @@ class GraphedDecode:
         return self.logits.clone()  # the next replay overwrites the graph's output
 
     def side_by_side(self, tok):
-        """The parts' steps, each on a stream of its own, forked from and joined to the current one."""
-        main, outs = torch.cuda.current_stream(), []
+        """The parts' steps, each on a stream of its own (forked from the current one and joined to
+        it), recorded layer by layer in turn: their gathers take turns on PCIe in that order
+        (OffloadCache.turn), so one part's gather runs while the other computes."""
+        main = torch.cuda.current_stream()
         streams = [torch.cuda.Stream() for _ in self.parts]
-        for t, part, s in zip(tok.tensor_split(len(self.parts)), self.parts, streams):
+        self.parts[0].turn[0] = None  # the first gather waits for none (nor for one outside the graph)
+        steps = [self.model.decode_layers(t, p) for t, p in zip(tok.tensor_split(len(self.parts)), self.parts)]
+        for s in streams:
             s.wait_stream(main)
-            with torch.cuda.stream(s):
-                outs.append(self.model.decode(t, part))
+        for _ in range(self.model.cfg.n_layer + 1):
+            out = []
+            for step, s in zip(steps, streams):
+                with torch.cuda.stream(s):
+                    out.append(next(step))
         for s in streams:
             main.wait_stream(s)
-        return torch.cat(outs)
+        return torch.cat(out)
 
 
 # -----------------------------------------------------------------------------

@@ -199,12 +199,19 @@ class Transformer(nn.Module):
 
     def decode(self, tok, cache):
         """One step: tok (Bz,) the next token of every sequence -> logits (Bz, vocab)."""
+        *_, logits = self.decode_layers(tok, cache)
+        return logits
+
+    def decode_layers(self, tok, cache):
+        """decode, one layer at a time: yields None after each layer, then the logits. Micro-batches
+        (generate.GraphedDecode) interleave their steps layer by layer, each on its own stream."""
         x = self.embed_tokens(tok[:, None])  # (Bz, 1, dim)
         rope = self.rope(cache.len[:, None], x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer.decode(x, i, rope, cache)
+            yield None
         cache.advance()
-        return self.lm_head(self.norm(x))[:, 0]
+        yield self.lm_head(self.norm(x))[:, 0]
 
     def check_length(self, prompt_len, max_new_tokens):
         if prompt_len + max_new_tokens > self.cfg.max_seq_len:

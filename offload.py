@@ -185,7 +185,9 @@ def set_difference(need, slot_block, block_slot, fetch):
     (ext.set_difference if ext else set_difference_torch)(need, slot_block, block_slot, fetch)
 
 
-GATHER_CTAS = int(os.environ.get("NOSA_GATHER_CTAS", "0"))  # > 0: the gather's thread blocks, at most
+# thread blocks of the gather (0: one per unit): a few SMs saturate PCIe, the rest stay free for the
+# kernels of a micro-batch that runs beside it (python -m bench gather)
+GATHER_CTAS = int(os.environ.get("NOSA_GATHER_CTAS", "64"))
 
 
 def gather_units(host, pool, fetch):
@@ -388,6 +390,7 @@ class OffloadCache(Cache):
         self.c = [torch.zeros(Bz, H, max_len if cfg.eviction_head else 0, dtype=cdt, device=device) for _ in range(L)]
         self.sub = SubBlockCache(cfg, Bz, device, dtype, max_len)
         self.stats = Stats(L, R, unit, device)
+        self.turn = None  # micro-batches (split): the event of the last gather, which the next one waits for
 
     def _host_alloc(self, R, cap, dtype):
         cfg = self.cfg
@@ -438,6 +441,7 @@ class OffloadCache(Cache):
         batches whose decode steps can run side by side, one's gathers under the other's compute
         (generate.GraphedDecode). Only while every position is below capacity(): no buffer may grow."""
         parts, H = [], self.cfg.H_kv
+        turn = [None] if self.device.type == "cuda" else None  # the last gather any part recorded (its event)
         for seqs in torch.arange(self.Bz).tensor_split(n):
             a, b = int(seqs[0]), int(seqs[-1]) + 1
             part = copy.copy(self)
@@ -445,7 +449,7 @@ class OffloadCache(Cache):
             for name in ("host", "pool", "tail", "slot_block", "block_slot", "fetch", "fresh"):
                 setattr(part, name, [t[a * H:b * H] for t in getattr(self, name)])
             part.c = [t[a:b] for t in self.c]
-            part.sub, part.stats = self.sub.rows(a, b), self.stats.rows(a * H, b * H)
+            part.sub, part.stats, part.turn = self.sub.rows(a, b), self.stats.rows(a * H, b * H), turn
             parts.append(part)
         return parts
 
@@ -475,7 +479,12 @@ class OffloadCache(Cache):
             s = self.stats
             count_moves(self.fetch[layer], n_need, self.fresh[layer], s.needed[layer], s.moved[layer], s.cold[layer],
                         s.stepped[layer], s.row_max)
+            if self.turn and self.turn[0] is not None:  # micro-batches: gathers take turns on PCIe
+                torch.cuda.current_stream().wait_event(self.turn[0])
             gather_units(self.host[layer], self.pool[layer], self.fetch[layer])
+            if self.turn:
+                self.turn[0] = torch.cuda.Event()
+                self.turn[0].record()
         with record_function("attention"):
             bias = eviction.attention_bias(self.c[layer], cfg.attn) if cfg.eviction_head else None
             o = attention.slot_attention(q, self.pool[layer], self.slot_block[layer], bias, self.len, B)

@@ -1,5 +1,6 @@
-"""UVA gather of scattered KV units from pinned host memory: the CUDA kernel, its Triton twin (the
-no-nvcc path), a CPU index_select + copy and one memcpy per unit, against one contiguous copy."""
+"""UVA gather of scattered KV units from pinned host memory: the CUDA kernel (one thread block per
+unit, or a few looping over them), its Triton twin (the no-nvcc path), a CPU index_select + copy and
+one memcpy per unit, against one contiguous copy."""
 import torch
 
 import offload
@@ -22,8 +23,8 @@ def bench_gather(store_gib=4.0, moved_mib=64, k=64):
         fetches = [torch.stack([torch.randperm(cap)[:k] for _ in range(R)]).cuda() for _ in range(4)]
         it = iter(range(10**9))
 
-        def uva():
-            offload.gather_units(host, pool, fetches[next(it) % 4])
+        def uva():  # one thread block per unit
+            offload._kernels("cuda").gather_units(host, pool, fetches[next(it) % 4], 0)
 
         def uva_triton():
             offload.gather_units_triton(host, pool, fetches[next(it) % 4])
@@ -61,7 +62,10 @@ def bench_gather(store_gib=4.0, moved_mib=64, k=64):
         nbytes = R * k * U * 2
         t_contig = wall(contiguous_copy)
         contiguous = nbytes / t_contig / 1e9
-        for name, fn, reps in (("contiguous pinned copy", contiguous_copy, 20), ("UVA gather kernel", uva, 20),
+        ext = offload._kernels("cuda")
+        fewer = [(f"UVA gather kernel, {n} thread blocks", lambda n=n: ext.gather_units(
+            host, pool, fetches[next(it) % 4], n), 20) for n in (16, 32, 64, 132)] if ext else []
+        for name, fn, reps in (("contiguous pinned copy", contiguous_copy, 20), ("UVA gather kernel", uva, 20), *fewer,
                                ("UVA gather, Triton (no nvcc)", uva_triton, 20),
                                ("index_select + copy", index_select_copy, 5), ("one memcpy per block", memcpy_per_block, 3)):
             t = t_contig if fn is contiguous_copy else wall(fn, reps=reps, warmup=1)
