@@ -187,7 +187,7 @@ def set_difference(need, slot_block, block_slot, fetch):
 
 # thread blocks of the gather (0: one per unit): a few SMs saturate PCIe, the rest stay free for the
 # kernels of a micro-batch that runs beside it (python -m bench gather)
-GATHER_CTAS = int(os.environ.get("NOSA_GATHER_CTAS", "64"))
+GATHER_CTAS = int(os.environ.get("NOSA_GATHER_CTAS", "16"))
 
 
 def gather_units(host, pool, fetch):
