@@ -66,7 +66,7 @@ def top_desc(score, valid, n):
     if n <= 0 or n >= nb:
         return valid & (n > 0)
     s = score.masked_fill(~valid, float("-inf"))
-    kth = s.topk(n, dim=-1).values[..., -1:]  # (..., 1)
+    kth = s.topk(n, dim=-1, sorted=False).values.amin(-1, keepdim=True)  # (..., 1) the n-th best
     above, tie = s > kth, s == kth
     room = n - above.sum(-1, keepdim=True)
     return valid & (above | tie & (tie.flip(-1).cumsum(-1).flip(-1) <= room))

@@ -185,9 +185,15 @@ def set_difference(need, slot_block, block_slot, fetch):
     (ext.set_difference if ext else set_difference_torch)(need, slot_block, block_slot, fetch)
 
 
-# thread blocks of the gather (0: one per unit): a few SMs saturate PCIe, the rest stay free for the
-# kernels of a micro-batch that runs beside it (python -m bench gather)
-GATHER_CTAS = int(os.environ.get("NOSA_GATHER_CTAS", "16"))
+GATHER_CTAS = os.environ.get("NOSA_GATHER_CTAS")  # set: the gather's thread blocks (0: one per unit)
+
+
+def gather_ctas(unit_bytes):
+    """Thread blocks for the gather: enough that ~256 KiB of loads are in flight (a block has at most
+    16 KiB: 256 threads x 4 x 16 bytes, fewer for smaller units), which keeps PCIe as busy as one block
+    per unit does (python -m bench gather), and no more, so the other SMs are free for the kernels of
+    a micro-batch running beside the gather (generate.GraphedDecode)."""
+    return int(GATHER_CTAS) if GATHER_CTAS is not None else max(16, 2**18 // min(unit_bytes, 2**14))
 
 
 def gather_units(host, pool, fetch):
@@ -195,7 +201,7 @@ def gather_units(host, pool, fetch):
         return gather_units_torch(host, pool, fetch)
     ext = _kernels(pool.device)
     if ext:
-        ext.gather_units(host, pool, fetch, GATHER_CTAS)
+        ext.gather_units(host, pool, fetch, gather_ctas(host.stride(1) * host.element_size()))
     else:
         gather_units_triton(host, pool, fetch)
 

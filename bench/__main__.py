@@ -48,7 +48,7 @@ if __name__ == "__main__":
     p.add_argument("--budget-gb", type=float, default=24.0, help="throughput: GPU memory budget")
     p.add_argument("--steps", type=int, default=256, help="throughput: timed decode steps")
     p.add_argument("--host-gb", type=float, help="throughput: host memory budget (default: what is available)")
-    p.add_argument("--micro-batches", default="1",
+    p.add_argument("--micro-batches", default="2",
                    help="throughput: offloading systems once per count, e.g. 1,2 (parts decoded side by side)")
     p.add_argument("--trained", action="store_true", help="throughput: the trained models in --ckpts, real prompts")
     p.add_argument("--systems", help=f"throughput: some of {','.join(throughput_.SYSTEMS)} (default: all); "

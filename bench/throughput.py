@@ -86,7 +86,7 @@ SYSTEMS = {"full": ("full, resident cache", "full", False),
 
 
 def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, warmup=8, batch_limit=256,
-                     host_gb=None, ckpts=None, eager_steps=8, systems=tuple(SYSTEMS), micro_batches=(1,)):
+                     host_gb=None, ckpts=None, eager_steps=8, systems=tuple(SYSTEMS), micro_batches=(2,)):
     """Steady-state decode tokens/s at a fixed GPU memory budget. Each system gets the largest batch
     whose weights + KV cache (offload.cache_bytes) + activations fit the budget, the activations
     measured: the peak of a graphed step at batch 1 and 2 beyond the cache, extrapolated linearly
