@@ -396,7 +396,7 @@ class OffloadCache(Cache):
         self.c = [torch.zeros(Bz, H, max_len if cfg.eviction_head else 0, dtype=cdt, device=device) for _ in range(L)]
         self.sub = SubBlockCache(cfg, Bz, device, dtype, max_len)
         self.stats = Stats(L, R, unit, device)
-        self.turn = None  # micro-batches (split): the event of the last gather, which the next one waits for
+        self.part, self.turn = False, None  # micro-batches (split): views; the event of the last gather
 
     def _host_alloc(self, R, cap, dtype):
         cfg = self.cfg
@@ -455,7 +455,7 @@ class OffloadCache(Cache):
             for name in ("host", "pool", "tail", "slot_block", "block_slot", "fetch", "fresh"):
                 setattr(part, name, [t[a * H:b * H] for t in getattr(self, name)])
             part.c = [t[a:b] for t in self.c]
-            part.sub, part.stats, part.turn = self.sub.rows(a, b), self.stats.rows(a * H, b * H), turn
+            part.sub, part.stats, part.part, part.turn = self.sub.rows(a, b), self.stats.rows(a * H, b * H), True, turn
             parts.append(part)
         return parts
 
@@ -469,6 +469,9 @@ class OffloadCache(Cache):
         """k, v (Bz, H_kv, d), c (Bz, H_kv) or None: the new token of every sequence."""
         cfg, pos = self.cfg, self.len
         max_pos = int(self.len_cpu.max())
+        if self.part and max_pos >= self.max_len:
+            raise ValueError(f"position {max_pos} is past the max_len={self.max_len} a micro-batch (split) was made for: "
+                             f"its buffers are views and cannot grow; size max_len to the whole job")
         self._ensure_blocks(layer, max_pos // cfg.B + 1)
         if c is not None:
             self.c[layer] = grow(self.c[layer], max_pos + 1, 2)

@@ -214,6 +214,9 @@ def test_micro_batches_decode_like_the_whole_batch(graphed):
     assert a.steps == b.steps == T - max(prompt_lens) - 1
     assert torch.equal(caches[0].len, caches[1].len) and torch.equal(caches[0].len_cpu, caches[1].len_cpu)
     assert all(torch.equal(x, y) for x, y in zip(caches[0].slot_block, caches[1].slot_block))
+    part = caches[1].split(2)[1]  # its last sequence has reached max_len: one more step would need to grow
+    with pytest.raises(ValueError, match="cannot grow"):
+        model.decode(idx[3:, -1], part)
 
 
 class CountingCache(OffloadCache):
