@@ -31,6 +31,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+import fusion
 from pooling import fp32
 
 
@@ -415,14 +416,15 @@ def slot_attention_triton(q, pool, slot_block, bias, pos, B, n_split=None):
     _slot_decode[(R, n_split)](q.contiguous(), pool, slot_block.contiguous(), c, pos.contiguous(), o, m, l,
                                1.0 / math.sqrt(D), c.shape[-1], H_kv=H_kv, G=G, GP=GP, D=D, B=B, K_SLOTS=k1 - 1,
                                NSPLIT=n_split, HAS_BIAS=bias is not None)
-    return merge_splits(o, m, l, G).reshape(Bz, H_q, 1, D).to(q.dtype)
+    return merge_splits(o, m, l, G, q.dtype).reshape(Bz, H_q, 1, D)
 
 
-def merge_splits(o, m, l, G):
+@fusion.fused  # one kernel on a GPU instead of seven
+def merge_splits(o, m, l, G, dtype):
     """Partial results of the splits (R, n_split, GP, D), their running max and sum (R, n_split, GP)
-    -> (R, G, D): each split's part weighted by exp(its max - the overall max) (log-sum-exp)."""
+    -> (R, G, D) in dtype: each split's part weighted by exp(its max - the overall max) (log-sum-exp)."""
     w = torch.exp(m - m.amax(1, keepdim=True))  # splits that saw no key have m = -inf: weight 0
-    return ((w[..., None] * o).sum(1) / (w * l).sum(1)[..., None])[:, :G]
+    return ((w[..., None] * o).sum(1) / (w * l).sum(1)[..., None])[:, :G].to(dtype)
 
 
 def dense_decode_triton(q, k, v, pos, n_split=None, BN=64):
@@ -439,7 +441,7 @@ def dense_decode_triton(q, k, v, pos, n_split=None, BN=64):
     l = torch.empty_like(m)
     _dense_decode[(R, n_split)](q.contiguous(), k, v, pos.contiguous(), o, m, l, 1.0 / math.sqrt(D), k.stride(1), H_kv=H_kv,
                                 G=G, GP=GP, D=D, BN=BN, NSPLIT=n_split, num_warps=4)
-    return merge_splits(o, m, l, G).reshape(Bz, H_q, 1, D).to(q.dtype)
+    return merge_splits(o, m, l, G, q.dtype).reshape(Bz, H_q, 1, D)
 
 
 def dense_decode(q, k, v, pos):
