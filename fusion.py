@@ -1,7 +1,8 @@
 """
-The decode step's bookkeeping, fused: chains of small torch operations (ranks, masks, lists,
-counters) that would each be a kernel launch are compiled by torch.compile into a few Triton kernels
-on a GPU. The torch code is its own twin: off the GPU, or with NOSA_FUSE=0, it runs as written.
+The decode step's small operations, fused: chains of torch operations (norms, RoPE, cache writes,
+ranks, masks, lists, counters) that would each be a kernel launch are compiled by torch.compile into
+a few Triton kernels on a GPU. The torch code is its own twin: off the GPU, or with NOSA_FUSE=0, it
+runs as written.
 """
 import functools
 import os
