@@ -69,7 +69,7 @@ def sparse_attention_torch(q, k, v, bias, block_mask, q_pos, B):
 def slot_attention_torch(q, pool, slot_block, bias, pos, B):
     """Decode over the slot pool. q (Bz, H_q, 1, d); pool (R, k+1, 2, B, d), slot k = the tail block;
     slot_block (R, k) block id per slot, -1 free; bias (Bz, H_kv, S) per token or None; pos (Bz,).
-    Every resident block is selected (offload.set_difference evicted the rest), so the keys are the
+    Every resident block is selected (transfer.set_difference evicted the rest), so the keys are the
     k slots plus the tail up to pos."""
     Bz, H_q, _, d = q.shape
     R, k1 = pool.shape[:2]

@@ -1,4 +1,4 @@
-// NOSI transfer kernels (docs/METHOD.md §6), built on first use by offload.py with
+// NOSI transfer kernels (docs/METHOD.md §6), built on first use by transfer.py with
 // torch.utils.cpp_extension.load. Both run on the current CUDA stream and never wait for the host.
 //
 // Notation: R rows = (sequence, KV head) pairs of one layer; k slots per row on the GPU;

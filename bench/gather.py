@@ -3,7 +3,7 @@ unit, or a few looping over them), its Triton twin (the no-nvcc path), a CPU ind
 one memcpy per unit, against one contiguous copy."""
 import torch
 
-import offload
+import transfer
 from bench import wall
 
 
@@ -24,13 +24,13 @@ def bench_gather(store_gib=4.0, moved_mib=64, k=64):
         it = iter(range(10**9))
 
         def uva():  # one thread block per unit
-            offload._kernels("cuda").gather_units(host, pool, fetches[next(it) % 4], 0)
+            transfer._kernels("cuda").gather_units(host, pool, fetches[next(it) % 4], 0)
 
         def uva_triton():
-            offload.gather_units_triton(host, pool, fetches[next(it) % 4])
+            transfer.gather_units_triton(host, pool, fetches[next(it) % 4])
 
         # correctness first: both kernels == the host store on one fetch list
-        for kernel in (offload.gather_units, offload.gather_units_triton):
+        for kernel in (transfer.gather_units, transfer.gather_units_triton):
             check = torch.empty_like(pool)
             kernel(host, check, fetches[0])
             torch.cuda.synchronize()
@@ -62,7 +62,7 @@ def bench_gather(store_gib=4.0, moved_mib=64, k=64):
         nbytes = R * k * U * 2
         t_contig = wall(contiguous_copy)
         contiguous = nbytes / t_contig / 1e9
-        ext = offload._kernels("cuda")
+        ext = transfer._kernels("cuda")
         fewer = [(f"UVA gather kernel, {n} thread blocks", lambda n=n: ext.gather_units(
             host, pool, fetches[next(it) % 4], n), 20) for n in (16, 32, 64, 132)] if ext else []
         for name, fn, reps in (("contiguous pinned copy", contiguous_copy, 20), ("UVA gather kernel", uva, 20), *fewer,

@@ -5,6 +5,7 @@ import torch
 
 import checkpoint
 import offload
+import transfer
 from bench import hbm_bandwidth, pinned_bandwidth
 from bench.quality import trained_path
 from nosa import Config
@@ -187,7 +188,7 @@ def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, w
             row.update(hit_rate=round(1 - (cache.stats.moved.sum().item() - moved0) / max(needed, 1), 3),
                        hit_rate_bound=round(resident / (cfg.k - 1), 3),
                        mb_per_step=round(moved / 1e6, 2), gather_ms=round(gather_ms, 3),
-                       gather_blocks=offload.gather_ctas(cache.stats.unit_bytes),
+                       gather_blocks=transfer.gather_ctas(cache.stats.unit_bytes),
                        pcie_gb_s=round(moved / gather_ms / 1e6, 1) if gather_ms > 0 else None)
             if cuda:
                 row["gather_over_bound"] = round(gather_ms / (moved / pcie / 1e6), 2)  # bound: bytes / contiguous GB/s

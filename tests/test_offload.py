@@ -5,6 +5,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import offload
+import transfer
 from generate import generate
 from kvcache import KVCache
 from offload import OffloadCache
@@ -100,7 +101,7 @@ def test_set_difference_random_sequences(data, R, k, n_steps):
         for r, ids in enumerate(rows):
             need[r, :len(ids)] = torch.tensor(ids, dtype=torch.long)
         was = [{b for b in slot_block[r].tolist() if b >= 0} for r in range(R)]
-        offload.set_difference_torch(need, slot_block, block_slot, fetch)
+        transfer.set_difference_torch(need, slot_block, block_slot, fetch)
         for r, ids in enumerate(rows):
             res = [b for b in slot_block[r].tolist() if b >= 0]
             assert sorted(res) == ids  # exactly the needed blocks, none twice, none leaked
@@ -131,7 +132,7 @@ def test_budgets_and_modes_raise_before_allocating():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA kernels need a GPU")
 def test_cuda_kernels_match_twins():
-    assert offload._kernels("cuda"), "uva_copy.cu did not build"
+    assert transfer._kernels("cuda"), "uva_copy.cu did not build"
     R, k, cap, U = 6, 8, 40, (2, 16, 64)
     host = torch.randn(R, cap, *U, dtype=torch.bfloat16).pin_memory()
     tables = [torch.full((R, k), -1, dtype=torch.long), torch.full((R, cap), -1, dtype=torch.long)]
@@ -144,11 +145,11 @@ def test_cuda_kernels_match_twins():
             n = int(torch.randint(0, k, ()))
             need[r, :n] = torch.randperm(cap)[:n].sort().values
         f, df = torch.empty(R, k, dtype=torch.long), torch.empty(R, k, dtype=torch.long, device="cuda")
-        offload.set_difference_torch(need, *tables, f)
-        offload.set_difference(need.cuda().contiguous(), *dev_tables, df)
+        transfer.set_difference_torch(need, *tables, f)
+        transfer.set_difference(need.cuda().contiguous(), *dev_tables, df)
         assert torch.equal(f, df.cpu()) and all(torch.equal(a, b.cpu()) for a, b in zip(tables, dev_tables))
-        offload.gather_units_torch(host, pool, f)
-        offload.gather_units(host, dev_pool, df)
+        transfer.gather_units_torch(host, pool, f)
+        transfer.gather_units(host, dev_pool, df)
         torch.cuda.synchronize()
         assert torch.equal(pool, dev_pool.cpu())
     # flush: rows (H_kv = 2 per sequence) whose tail is full write it back and keep it in a free slot
@@ -164,8 +165,8 @@ def test_cuda_kernels_match_twins():
     dev_tables = [t.cuda() for t in tables]
     pos = torch.tensor([2 * 16 - 1, 5, 7 * 16 - 1])  # sequences 0 and 2 full (B = 16)
     dev_host = host.clone().pin_memory()
-    offload.flush_tails_torch(host, pool, *tables, pos, 2, 16)
-    offload.flush_tails(dev_host, dev_pool, *dev_tables, pos.cuda(), 2, 16)
+    transfer.flush_tails_torch(host, pool, *tables, pos, 2, 16)
+    transfer.flush_tails(dev_host, dev_pool, *dev_tables, pos.cuda(), 2, 16)
     torch.cuda.synchronize()
     assert torch.equal(pool, dev_pool.cpu()) and torch.equal(host, dev_host)
     assert all(torch.equal(a, b.cpu()) for a, b in zip(tables, dev_tables))
@@ -269,10 +270,10 @@ def test_triton_transfer_kernels_match_twins():
     slot_block, block_slot = slot_block.to(DEV), block_slot.to(DEV)
     a = [t.clone() for t in (host, pool, slot_block, block_slot)]
     b = [t.clone().pin_memory() if t.is_pinned() else t.clone() for t in (host, pool, slot_block, block_slot)]
-    offload.gather_units_torch(a[0], a[1], fetch)
-    offload.gather_units_triton(b[0], b[1], fetch)
-    offload.flush_tails_torch(*a, pos, H_kv, B)
-    offload.flush_tails_triton(*b, pos, H_kv, B)
+    transfer.gather_units_torch(a[0], a[1], fetch)
+    transfer.gather_units_triton(b[0], b[1], fetch)
+    transfer.flush_tails_torch(*a, pos, H_kv, B)
+    transfer.flush_tails_triton(*b, pos, H_kv, B)
     if DEV == "cuda":
         torch.cuda.synchronize()
     for x, y in zip(a, b):
@@ -293,11 +294,11 @@ def test_offload_without_the_cuda_extension_on_a_gpu(graphed, monkeypatch):
     T = max(prompt_lens) + 3 * cfg.k * cfg.B
     idx = torch.randint(0, cfg.vocab_size, (3, T), device=DEV)
     with monkeypatch.context() as m:  # the twins, on the GPU
-        m.setattr(offload, "set_difference", offload.set_difference_torch)
-        m.setattr(offload, "gather_units", offload.gather_units_torch)
-        m.setattr(offload, "flush_tails", offload.flush_tails_torch)
+        m.setattr(transfer, "set_difference", transfer.set_difference_torch)
+        m.setattr(transfer, "gather_units", transfer.gather_units_torch)
+        m.setattr(transfer, "flush_tails", transfer.flush_tails_torch)
         twins = decode_logits(model, idx, prompt_lens, OffloadCache(cfg, 3, DEV, torch.float32, max_len=T))
-    monkeypatch.setattr(offload, "_ext", False)  # as if uva_copy.cu had failed to build
+    monkeypatch.setattr(transfer, "_ext", False)  # as if uva_copy.cu had failed to build
     cache = OffloadCache(cfg, 3, DEV, torch.float32, max_len=T)
     assert cache.host[0].is_pinned()
     off = decode_logits(model, idx, prompt_lens, cache, graphed=graphed)
