@@ -44,6 +44,8 @@ Attention modes (docs/METHOD.md §7), all from the same code:
 from dataclasses import asdict, dataclass, replace
 
 import torch
+import triton
+import triton.language as tl
 
 import attention
 import eviction
@@ -210,9 +212,83 @@ def select(q, K_sub, c_sub, q_pos, nb, cfg, core_ids=None):
     return select_blocks(Q, E, q_pos[:, None], cfg)
 
 
-@fusion.fused  # a decode step: the same ops, fused on a GPU
 def select_step(Q, core_ids, q_pos, cfg):
+    """select_blocks for one decode step (T = 1) from each row's list of its best candidates by E:
+    Q (Bz, H_kv, 1, nb), core_ids (Bz, H_kv, n) or None, q_pos (Bz, 1) -> the block mask (Bz, H_kv, 1, nb).
+    One Triton kernel on a GPU (select_step_triton), the torch code (fused) elsewhere."""
+    if Q.is_cuda and Q.dtype == torch.float32:
+        return select_step_triton(Q, core_ids, q_pos, cfg)
+    return select_step_torch(Q, core_ids, q_pos, cfg)
+
+
+@fusion.fused
+def select_step_torch(Q, core_ids, q_pos, cfg):
     return select_blocks(Q, None, q_pos[:, None], cfg, core_ids)
+
+
+@triton.jit
+def _select_step_kernel(QS, IDS, POS, OUT, nb, H_kv: tl.constexpr, NBP: tl.constexpr, N_LIST: tl.constexpr,
+                        NLP: tl.constexpr, B: tl.constexpr, N_SINK: tl.constexpr, N_WIN: tl.constexpr,
+                        K: tl.constexpr, KQ: tl.constexpr, N_CORE: tl.constexpr):
+    """One program per row (sequence, KV head): Γ(t) as select_blocks makes it, over the nb blocks
+    in registers. The k_q - 1 best candidates by Q without sorting: the KQ-th best score by a search
+    over its bits, then the entries tied with it from the most recent block down (top_desc's order)."""
+    r = tl.program_id(0)
+    b = tl.arange(0, NBP)
+    in_row = b < nb
+    q_blk = tl.load(POS + r // H_kv) // B
+    causal = in_row & (b <= q_blk)
+    forced = causal & ((b < N_SINK) | (b >= q_blk - N_WIN))
+    cand = causal & ~forced
+    key = tl.zeros([NBP], tl.int32)
+    kth = tl.full([], -2**31, tl.int64)  # the KQ-th best key; with KQ = 0 every candidate is above it
+    b0 = NBP  # ties with the KQ-th best are taken from block b0 on (later ones are more recent)
+    pick_q = cand & (KQ > 0)
+    if KQ > 0:
+        s = tl.load(QS + r * nb + b, mask=cand, other=float("-inf"))  # non-candidates count as -inf
+        s = tl.where(s == 0.0, 0.0, s)  # -0.0 ties with +0.0, as floats compare
+        bits = s.to(tl.int32, bitcast=True)
+        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # an int that orders as the float does
+        # the largest t with at least KQ keys >= t: a search over the 2^32 keys, 2 bits a round (the
+        # answer lies in [kth, kth + 4 * 2^shift), and at least KQ keys are >= kth, unless nb < KQ)
+        w = tl.arange(0, 4).to(tl.int64)
+        for i in tl.static_range(16):
+            t = kth + (w << (30 - 2 * i))  # (4,) thresholds
+            n_above = tl.sum((in_row[None, :] & (key[None, :] >= t[:, None])).to(tl.int32), 1)  # (4,)
+            kth += tl.max(tl.where(n_above >= KQ, w, 0), 0) << (30 - 2 * i)
+        above, tie = in_row & (key > kth), in_row & (key == kth)
+        room = KQ - tl.sum(above.to(tl.int32), 0)
+        later = tl.cumsum(tie.to(tl.int32), 0, reverse=True)  # ties at this block or after it
+        b0 = tl.min(tl.where(tie & (later <= room), b, NBP), 0)  # the earliest tie taken
+        pick_q = cand & (above | tie & (b >= b0))
+    few = tl.sum(causal.to(tl.int32), 0) <= K  # fewer than k causal blocks: all of them
+    tl.store(OUT + r * nb + b, tl.where(few, causal, forced | pick_q).to(tl.int8), mask=in_row)
+    if N_CORE > 0:  # E-picks: the first N_CORE members of the list (best first) that Q did not take
+        j = tl.arange(0, NLP)
+        ids = tl.load(IDS + r * N_LIST + j, mask=j < N_LIST, other=-1)
+        c_id = (ids >= N_SINK) & (ids < nb) & (ids < q_blk - N_WIN)  # candidates, as cand above
+        s_id = tl.load(QS + r * nb + ids, mask=c_id, other=float("-inf"))
+        s_id = tl.where(s_id == 0.0, 0.0, s_id)
+        bits_id = s_id.to(tl.int32, bitcast=True)
+        key_id = bits_id ^ ((bits_id >> 31) & 0x7FFFFFFF)
+        taken = c_id & ((key_id > kth) | (key_id == kth) & (ids >= b0)) & (KQ > 0)  # pick_q at the ids
+        pick = (ids >= 0) & ~taken
+        pick = pick & (tl.cumsum(pick.to(tl.int32), 0) <= N_CORE) & (j * 0 + few.to(tl.int32) == 0)  # (a vector: the interpreter)
+        tl.debug_barrier()  # the mask above is written before these entries are set
+        tl.store(OUT + r * nb + ids, tl.full([NLP], 1, tl.int8), mask=pick)
+
+
+def select_step_triton(Q, core_ids, q_pos, cfg):
+    """The kernel; same arguments and result as select_step_torch."""
+    Bz, H_kv, _, nb = Q.shape
+    n = core_ids.shape[-1] if core_ids is not None else 0
+    out = torch.empty(Bz, H_kv, 1, nb, dtype=torch.int8, device=Q.device)
+    ids = core_ids.contiguous() if n else out  # not read when there is no list
+    _select_step_kernel[(Bz * H_kv,)](Q.contiguous(), ids, q_pos.reshape(Bz).contiguous(), out, nb, H_kv=H_kv,
+                                      NBP=triton.next_power_of_2(nb), N_LIST=n, NLP=triton.next_power_of_2(max(n, 1)),
+                                      B=cfg.B, N_SINK=cfg.n_sink, N_WIN=cfg.n_win, K=cfg.k, KQ=max(cfg.k_q_free, 0),
+                                      N_CORE=cfg.n_core if n else 0)
+    return out.view(torch.bool)
 
 
 def nosa_attention(q, k, v, c, cfg):

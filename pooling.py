@@ -177,9 +177,11 @@ def _qscore1_stats(Q, KS, QPOS, S_OUT, MX, SM, scale, M, NC, H_kv: tl.constexpr,
 
 @triton.jit
 def _qscore1_blocks(S_IN, MX, SM, OUT, M, NB, NC, G: tl.constexpr, GP: tl.constexpr, NCP: tl.constexpr,
-                    NBT: tl.constexpr, R_SUB: tl.constexpr, P_OVER: tl.constexpr, RP: tl.constexpr):
+                    NBT: tl.constexpr, R_SUB: tl.constexpr, P_OVER: tl.constexpr, PP: tl.constexpr):
     """Decode (T = 1), pass 2: program (row, block chunk) merges the softmax statistics of all chunks,
-    forms P[m] = Σ_g softmax_m for the sub-blocks of its NBT blocks and max-pools them to blocks."""
+    forms P[m] = Σ_g softmax_m over the NBT * r sub-blocks of its NBT blocks (one contiguous tile)
+    and max-pools them to blocks; the p sub-blocks each block shares with the block before it are
+    read again, a small strided tile."""
     r, cb = tl.program_id(0), tl.program_id(1)
     offs_g, offs_c = tl.arange(0, GP), tl.arange(0, NCP)
     st = (r * NC + offs_c[None, :]) * GP + offs_g[:, None]  # (GP, NCP)
@@ -189,14 +191,20 @@ def _qscore1_blocks(S_IN, MX, SM, OUT, M, NB, NC, G: tl.constexpr, GP: tl.conste
     m_g = tl.where(m_g == float("-inf"), 0.0, m_g)  # a head that sees nothing: P = 0
     l_g = tl.sum(sm * tl.exp(mx - m_g[:, None]), 1)
     l_g = tl.where(l_g > 0, l_g, 1.0)
-    blk, j = cb * NBT + tl.arange(0, NBT), tl.arange(0, RP)
-    m = blk[:, None] * R_SUB - P_OVER + j[None, :]  # (NBT, RP) the sub-blocks that overlap each block
-    ok = (j[None, :] < R_SUB + P_OVER) & (m >= 0) & (m < M) & (blk < NB)[:, None]
-    s = tl.load(S_IN + (r * GP + offs_g[:, None, None]) * M + m[None, :, :],
-                mask=ok[None, :, :] & (offs_g < G)[:, None, None], other=float("-inf"))  # (GP, NBT, RP)
-    P = tl.sum(tl.exp(s - m_g[:, None, None]) / l_g[:, None, None], 0)  # (NBT, RP)
-    P = tl.where(ok, P, float("-inf"))
-    tl.store(OUT + r * NB + blk, tl.max(P, 1), mask=blk < NB)
+    row = S_IN + (r * GP + offs_g) * M  # (GP,) each head's logits
+    ok_g = (offs_g < G)[:, None]
+    # the blocks' own sub-blocks: m = b * r ... b * r + r - 1, contiguous over the chunk
+    m = cb * NBT * R_SUB + tl.arange(0, NBT * R_SUB)
+    s = tl.load(row[:, None] + m[None, :], mask=ok_g & (m < M)[None, :], other=float("-inf"))  # (GP, NBT * r)
+    P = tl.sum(tl.exp(s - m_g[:, None]) / l_g[:, None], 0)
+    own = tl.max(tl.reshape(tl.where(m < M, P, float("-inf")), (NBT, R_SUB)), 1)  # (NBT,)
+    # the last p sub-blocks of the block before: m = b * r - p ... b * r - 1
+    blk, j = cb * NBT + tl.arange(0, NBT), tl.arange(0, PP)
+    m = blk[:, None] * R_SUB - P_OVER + j[None, :]  # (NBT, PP)
+    ok = (j[None, :] < P_OVER) & (m >= 0) & (m < M)
+    s = tl.load(row[:, None, None] + m[None, :, :], mask=ok_g[:, :, None] & ok[None, :, :], other=float("-inf"))
+    P = tl.where(ok, tl.sum(tl.exp(s - m_g[:, None, None]) / l_g[:, None, None], 0), float("-inf"))
+    tl.store(OUT + r * NB + blk, tl.maximum(own, tl.max(P, 1)), mask=blk < NB)
 
 
 def query_aware_scores_decode(q, K_sub, q_pos, nb, cfg, CM=128, NBT=64):
@@ -215,7 +223,7 @@ def query_aware_scores_decode(q, K_sub, q_pos, nb, cfg, CM=128, NBT=64):
     _qscore1_stats[(R, NC)](q.contiguous(), K_sub.contiguous(), q_pos.contiguous(), s, mx, sm, 1.0 / math.sqrt(D), M,
                             NC, H_kv=H_kv, G=G, GP=GP, D=D, CM=CM, S_C=cfg.s_c, L_C=cfg.l_c)
     _qscore1_blocks[(R, triton.cdiv(nb, NBT))](s, mx, sm, out, M, nb, NC, G=G, GP=GP, NCP=triton.next_power_of_2(NC),
-                                               NBT=NBT, R_SUB=r, P_OVER=p, RP=triton.next_power_of_2(r + p))
+                                               NBT=NBT, R_SUB=r, P_OVER=p, PP=triton.next_power_of_2(max(p, 1)))
     return out
 
 

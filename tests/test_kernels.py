@@ -133,14 +133,16 @@ def test_query_aware_score_kernel_matches_twin(G, d, T, preset):
     assert rel_err(got[finite], want[finite]) < FP32_TOL
 
 
-@pytest.mark.parametrize("G, d, preset, M_len", [(1, 64, "tiny", 700), (16, 32, "tiny", 333), (4, 64, "paper", 3000)])
-def test_decode_score_kernel_matches_twin(G, d, preset, M_len):
+@pytest.mark.parametrize("G, d, preset, M_len, over", [(1, 64, "tiny", 700, {}), (16, 32, "tiny", 333, {}),
+                                                      (4, 64, "paper", 3000, {}), (2, 32, "tiny", 500, dict(l_c=12)),
+                                                      (2, 32, "tiny", 500, dict(l_c=4))])
+def test_decode_score_kernel_matches_twin(G, d, preset, M_len, over):
     """One query per sequence (decode), ragged positions: the key-parallel kernels against the twin,
     over more blocks than the positions reach (static shapes), with chunks of compressed keys that
-    do not divide their number."""
+    do not divide their number, and sub-blocks that reach 0, 1 or 2 strides into the next block."""
     from nosa import Config
     import pooling
-    cfg = Config.from_preset(preset)
+    cfg = Config.from_preset(preset, **over)
     Bz, H_kv = 3, 2
     q = torch.randn(Bz, H_kv * G, 1, d, device=DEV)
     K_sub = pooling.compress_keys(torch.randn(Bz, H_kv, M_len, d, device=DEV), cfg)

@@ -142,6 +142,34 @@ def test_top_k_without_sort_equals_rank(data, nb, n):
     assert torch.equal(eviction.top_desc(score, valid, n), valid & (eviction.rank_desc(score, valid) < n))
 
 
+@settings(max_examples=40, deadline=None)
+@given(cfg=configs(), data=st.data(), attn=st.sampled_from(["nosa", "infllmv2", "dma"]))
+def test_select_step_kernel_equals_twin(cfg, data, attn):
+    """A decode step's selection as one Triton kernel (interpreted on CPU) == the torch code, for random
+    configs, every sparse mode, ragged positions (few blocks, and past them), Q with many ties, zeros
+    and -inf, and each row's list of its best candidates by E (at times Q's own order, so that Q
+    takes list members tied with its last pick)."""
+    from dataclasses import replace
+    cfg = replace(cfg, attn=attn)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    Bz, H, nb = 3, 2, data.draw(st.integers(1, 48))
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    values = torch.tensor([-1.0, 0.0, 0.25, 0.5, 1.0, float("-inf")])
+    Q = values[torch.randint(0, 6, (Bz, H, 1, nb), generator=g)]
+    pos = torch.randint(0, nb * cfg.B, (Bz, 1), generator=g)
+    n = cfg.n_core + cfg.k_q_free if cfg.eviction_head and cfg.n_core > 0 else 0
+    ids = None
+    if n:
+        b = torch.arange(nb)
+        cand = (b >= cfg.n_sink) & (b < pos[:, :, None] // cfg.B - cfg.n_win)  # (Bz, 1, nb)
+        E = Q[:, :, 0] if data.draw(st.booleans()) else values[torch.randint(0, 5, (Bz, H, nb), generator=g)]
+        ids = eviction.core_list(E, cand.expand(Bz, H, nb), n)[0]  # E = Q: the list and Q's picks overlap
+        ids = ids.to(dev)
+    want = nosa.select_step_torch(Q, None if ids is None else ids.cpu(), pos, cfg)
+    got = nosa.select_step_triton(Q.to(dev), ids, pos.to(dev), cfg)
+    assert torch.equal(got.cpu(), want)
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_parallel_selection_equals_decode_selection(tied):
     """The selection of token t in the parallel forward equals that at step t of decoding, which
