@@ -227,6 +227,13 @@ def select_step_torch(Q, core_ids, q_pos, cfg):
 
 
 @triton.jit
+def _ordered(s):
+    """An int32 that orders as the float s does (-0.0 tied with +0.0, -inf lowest)."""
+    bits = tl.where(s == 0.0, 0.0, s).to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
 def _select_step_kernel(QS, IDS, POS, OUT, nb, H_kv: tl.constexpr, NBP: tl.constexpr, N_LIST: tl.constexpr,
                         NLP: tl.constexpr, B: tl.constexpr, N_SINK: tl.constexpr, N_WIN: tl.constexpr,
                         K: tl.constexpr, KQ: tl.constexpr, N_CORE: tl.constexpr):
@@ -245,12 +252,9 @@ def _select_step_kernel(QS, IDS, POS, OUT, nb, H_kv: tl.constexpr, NBP: tl.const
     b0 = NBP  # ties with the KQ-th best are taken from block b0 on (later ones are more recent)
     pick_q = cand & (KQ > 0)
     if KQ > 0:
-        s = tl.load(QS + r * nb + b, mask=cand, other=float("-inf"))  # non-candidates count as -inf
-        s = tl.where(s == 0.0, 0.0, s)  # -0.0 ties with +0.0, as floats compare
-        bits = s.to(tl.int32, bitcast=True)
-        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # an int that orders as the float does
-        # the largest t with at least KQ keys >= t: a search over the 2^32 keys, 2 bits a round (the
-        # answer lies in [kth, kth + 4 * 2^shift), and at least KQ keys are >= kth, unless nb < KQ)
+        key = _ordered(tl.load(QS + r * nb + b, mask=cand, other=float("-inf")))  # non-candidates: -inf
+        # the largest t with at least KQ keys >= t, 2 bits a round: before round i it lies in
+        # [kth, kth + 4 * 2^(30 - 2i)), and at least KQ keys are >= kth (unless fewer exist)
         w = tl.arange(0, 4).to(tl.int64)
         for i in tl.static_range(16):
             t = kth + (w << (30 - 2 * i))  # (4,) thresholds
@@ -267,13 +271,11 @@ def _select_step_kernel(QS, IDS, POS, OUT, nb, H_kv: tl.constexpr, NBP: tl.const
         j = tl.arange(0, NLP)
         ids = tl.load(IDS + r * N_LIST + j, mask=j < N_LIST, other=-1)
         c_id = (ids >= N_SINK) & (ids < nb) & (ids < q_blk - N_WIN)  # candidates, as cand above
-        s_id = tl.load(QS + r * nb + ids, mask=c_id, other=float("-inf"))
-        s_id = tl.where(s_id == 0.0, 0.0, s_id)
-        bits_id = s_id.to(tl.int32, bitcast=True)
-        key_id = bits_id ^ ((bits_id >> 31) & 0x7FFFFFFF)
+        key_id = _ordered(tl.load(QS + r * nb + ids, mask=c_id, other=float("-inf")))
         taken = c_id & ((key_id > kth) | (key_id == kth) & (ids >= b0)) & (KQ > 0)  # pick_q at the ids
         pick = (ids >= 0) & ~taken
-        pick = pick & (tl.cumsum(pick.to(tl.int32), 0) <= N_CORE) & (j * 0 + few.to(tl.int32) == 0)  # (a vector: the interpreter)
+        not_few = j * 0 + few.to(tl.int32) == 0  # a vector (the interpreter's masks must be)
+        pick = pick & (tl.cumsum(pick.to(tl.int32), 0) <= N_CORE) & not_few
         tl.debug_barrier()  # the mask above is written before these entries are set
         tl.store(OUT + r * nb + ids, tl.full([NLP], 1, tl.int8), mask=pick)
 
