@@ -7,7 +7,7 @@ Notation: Bz batch, H_q / H_kv query / KV heads, G = H_q / H_kv, T queries, S ke
 B block size, k selected blocks per (query, KV head), R = Bz·H_kv rows of the slot pool.
 
   sparse_attention   training, prefill, and decode against a resident cache; the selection comes
-                     as a block mask (Bz, H_kv, T, nb).
+                     as a block mask (Bz, H_kv, T, nb); one query per sequence runs sparse_decode.
   slot_attention     decode against the GPU slot pool of offload.py: k slots + the tail block.
   dense_decode       full attention, one query per sequence, over a static cache (the baseline).
 
@@ -21,8 +21,9 @@ the tests (tests/test_kernels.py, run under TRITON_INTERPRET=1 on CPU). Kernel d
   - backward: dq per tile as in the forward; dk, dv and dc (column sums of dS) per key block, over
     a reverse index of the tiles that selected it, in chunks that add up atomically in fp32, so the
     blocks every query selects (sink, window) do not serialise the launch;
-  - decode: one program per (row, split) over the resident slots, partial results merged by
-    log-sum-exp (flash-decoding), so a small batch still fills the GPU.
+  - decode: one program per (row, split) over the row's selected blocks (the slots of the pool, or
+    the blocks of a resident cache), partial results merged by log-sum-exp (flash-decoding), so a
+    small batch still fills the GPU.
 """
 import math
 
@@ -225,9 +226,13 @@ def _sparse_bwd_dkv(Q, K, V, C, REV_IDX, REV_CNT, MASK, QPOS, DO, LSE, DELTA, DK
 
 
 @triton.jit
-def _slot_decode(Q, POOL, SLOT_BLOCK, C, POS, O, M, L, scale, S,
-                 H_kv: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
-                 K_SLOTS: tl.constexpr, NSPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _block_decode(Q, KB, VB, IDS, C, POS, O, M, L, scale, S, ROW, BLK,
+                  H_kv: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
+                  N: tl.constexpr, TAIL: tl.constexpr, NSPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Decode over a list of N blocks per row (flash-decoding): program (row, split) takes every
+    NSPLIT-th entry. Block j's keys are read at KB + row * ROW + at * BLK (values likewise from VB),
+    (B, D) each. In the slot pool (TAIL = 1) `at` is the slot j, IDS the block of each slot, and
+    slot N is the tail block; in a resident cache (TAIL = 0) `at` is the block id IDS[j] itself."""
     r, sp = tl.program_id(0), tl.program_id(1)
     b = r // H_kv
     offs_g, offs_d, offs_n = tl.arange(0, GP), tl.arange(0, D), tl.arange(0, B)
@@ -237,14 +242,18 @@ def _slot_decode(Q, POOL, SLOT_BLOCK, C, POS, O, M, L, scale, S,
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
-    for j in range(sp, K_SLOTS + 1, NSPLIT):  # slot K_SLOTS is the tail block
-        blk = tl.load(SLOT_BLOCK + r * K_SLOTS + tl.minimum(j, K_SLOTS - 1))
-        blk = tl.where(j == K_SLOTS, pos // B, blk)
+    for j in range(sp, N + TAIL, NSPLIT):
+        blk = tl.load(IDS + r * N + tl.minimum(j, N - 1)).to(tl.int64)
+        if TAIL:
+            blk = tl.where(j == N, pos // B, blk)
+            at = j
+        else:
+            at = blk
         tok = blk * B + offs_n
         ok = (tok >= 0) & (tok <= pos)  # blk = -1 gives tok < 0
-        base = POOL + (r * (K_SLOTS + 1) + j) * 2 * B * D
-        kb = tl.load(base + offs_n[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
-        vb = tl.load(base + B * D + offs_n[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
+        kv = r * ROW + at * BLK + offs_n[:, None] * D + offs_d[None, :]
+        kb = tl.load(KB + kv, mask=ok[:, None], other=0.0)
+        vb = tl.load(VB + kv, mask=ok[:, None], other=0.0)
         s = tl.dot(q, tl.trans(kb)) * scale
         if HAS_BIAS:
             s += tl.load(C + r * S + tok, mask=ok, other=0.0)[None, :]
@@ -256,7 +265,7 @@ def _slot_decode(Q, POOL, SLOT_BLOCK, C, POS, O, M, L, scale, S,
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
         m_i = m_new
-    part = (r * NSPLIT + sp) * GP + offs_g  # unnormalised partial results, merged in slot_attention
+    part = (r * NSPLIT + sp) * GP + offs_g  # unnormalised partial results, merged by merge_splits
     tl.store(O + part[:, None] * D + offs_d[None, :], acc)
     tl.store(M + part, m_i)
     tl.store(L + part, l_i)
@@ -399,24 +408,42 @@ def sparse_attention(q, k, v, bias, block_mask, q_pos, cfg):
         causal = (j <= q_pos[..., None])[:, None]  # (Bz, 1, T, S)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal if T < S else None, is_causal=T == S,
                                               enable_gqa=True)
+    if q.shape[2] == 1 and not (torch.is_grad_enabled() and q.requires_grad):  # decode: split over the blocks
+        return sparse_decode_triton(q, k, v, bias, block_mask, q_pos[:, 0], cfg.B, cfg.k)
     return SparseAttention.apply(q, k, v, bias, block_mask, q_pos, cfg.B, cfg.k)
 
 
-def slot_attention_triton(q, pool, slot_block, bias, pos, B, n_split=None):
+def block_decode(q, kb, vb, ids, bias, pos, B, row, blk, tail, n_split=None):
+    """Launch _block_decode over R = Bz * H_kv rows of ids (R, N) and merge the splits -> (Bz, H_q, 1, D)."""
     Bz, H_q, _, D = q.shape
-    R, k1 = pool.shape[:2]
+    R, N = ids.shape
     H_kv = R // Bz
     G = H_q // H_kv
-    n_split = n_split or max(1, min(k1, triton.cdiv(4 * n_sm(q), R)))  # a few programs per multiprocessor
+    n_split = n_split or max(1, min(N + tail, triton.cdiv(4 * n_sm(q), R)))  # a few programs per multiprocessor
     GP = _gp(G)
     o = torch.empty(R, n_split, GP, D, device=q.device, dtype=torch.float32)
     m = torch.empty(R, n_split, GP, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
     c = fp32(bias).contiguous() if bias is not None else q.new_empty(1, dtype=torch.float32)
-    _slot_decode[(R, n_split)](q.contiguous(), pool, slot_block.contiguous(), c, pos.contiguous(), o, m, l,
-                               1.0 / math.sqrt(D), c.shape[-1], H_kv=H_kv, G=G, GP=GP, D=D, B=B, K_SLOTS=k1 - 1,
-                               NSPLIT=n_split, HAS_BIAS=bias is not None)
+    _block_decode[(R, n_split)](q.contiguous(), kb, vb, ids.contiguous(), c, pos.contiguous(), o, m, l,
+                                1.0 / math.sqrt(D), c.shape[-1], row, blk, H_kv=H_kv, G=G, GP=GP, D=D, B=B, N=N,
+                                TAIL=tail, NSPLIT=n_split, HAS_BIAS=bias is not None)
     return merge_splits(o, m, l, G, q.dtype).reshape(Bz, H_q, 1, D)
+
+
+def slot_attention_triton(q, pool, slot_block, bias, pos, B, n_split=None):
+    R, k1, _, _, D = pool.shape  # (R, k + 1, 2, B, D): K then V of each slot
+    return block_decode(q, pool, pool[:, :, 1], slot_block, bias, pos, B, k1 * 2 * B * D, 2 * B * D, 1, n_split)
+
+
+def sparse_decode_triton(q, k, v, bias, block_mask, pos, B, k_sel, n_split=None):
+    """sparse_attention for one query per sequence (decode against a resident cache): over the (at
+    most k_sel) selected blocks only, split over them. k, v (Bz, H_kv, S, d) may be the first S
+    positions of a longer buffer (rows are read at their stride); pos (Bz,)."""
+    Bz, H_kv, _, D = k.shape
+    assert k.stride() == v.stride() and k.stride()[2:] == (D, 1) and k.stride(0) == H_kv * k.stride(1)
+    ids = mask_to_indices(block_mask[:, :, 0], k_sel).view(Bz * H_kv, -1)  # ascending, -1 padded
+    return block_decode(q, k, v, ids, bias, pos, B, k.stride(1), B * D, 0, n_split)
 
 
 @fusion.fused  # one kernel on a GPU instead of seven

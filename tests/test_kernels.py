@@ -63,15 +63,23 @@ def test_sparse_attention_kernel_matches_twin(G, d, T, B, k, dtype):
 
 
 def test_sparse_attention_kernel_ragged_decode_positions():
-    """One query per sequence at its own position (decode against a resident cache), no bias."""
+    """One query per sequence at its own position (decode against a resident cache), no bias: the
+    training kernel, and the decode kernel split over the selected blocks (with a bias, too), which
+    reads the first S positions of a longer buffer."""
     Bz, H_kv, G, d, B, k, S = 3, 2, 4, 64, 16, 3, 90
     q = torch.randn(Bz, H_kv * G, 1, d, device=DEV)
-    kk, v = torch.randn(2, Bz, H_kv, S, d, device=DEV)
+    kk, v = torch.randn(2, Bz, H_kv, S + 7, d, device=DEV)[..., :S, :]
+    c = torch.randn(Bz, H_kv, S, device=DEV)
     q_pos = torch.tensor([[5], [47], [89]], device=DEV)
     mask = random_block_mask(Bz, H_kv, 1, B, k, q_pos)
     want = attention.sparse_attention_torch(q, kk, v, None, mask, q_pos, B)
     got = attention.SparseAttention.apply(q, kk, v, None, mask, q_pos, B, k)  # T = 1: the union bound is k
     assert rel_err(got, want) < FP32_TOL
+    for bias in (None, c):
+        want = attention.sparse_attention_torch(q, kk, v, bias, mask, q_pos, B)
+        for n_split in (1, 2, 5):
+            got = attention.sparse_decode_triton(q, kk, v, bias, mask, q_pos[:, 0], B, k, n_split=n_split)
+            assert rel_err(got, want) < FP32_TOL, (bias is None, n_split)
 
 
 @pytest.mark.parametrize("G, d", [(1, 64), (4, 128), (16, 64)])
@@ -157,9 +165,10 @@ def test_decode_score_kernel_matches_twin(G, d, preset, M_len, over):
 
 def test_model_through_the_kernels(monkeypatch):
     """The whole system on the kernel path (compiled on a GPU, interpreted on CPU): the parallel
-    forward matches the twins, and offloaded decoding through the scoring and slot kernels matches
-    the parallel forward through the training kernels."""
+    forward matches the twins, and decoding through the scoring, selection and decode kernels
+    (offloaded: the slot pool; resident) matches the parallel forward through the training kernels."""
     from kvcache import KVCache
+    import nosa
     from offload import OffloadCache
     import pooling
     from tests.conftest import decode_logits, make_model
@@ -172,6 +181,7 @@ def test_model_through_the_kernels(monkeypatch):
         monkeypatch.setattr(attention, "use_triton", lambda x, B: True)
         monkeypatch.setattr(pooling, "query_aware_scores", lambda q, *a: (
             pooling.query_aware_scores_decode if q.shape[2] == 1 else pooling.query_aware_scores_triton)(q, *a))
+        monkeypatch.setattr(nosa, "select_step", nosa.select_step_triton)
         par = model(idx)
         assert rel_err(par, ref) < FP32_TOL
         prompt_lens = [20, 70]
