@@ -251,7 +251,7 @@ def _block_decode(Q, KB, VB, IDS, C, POS, O, M, L, scale, S, ROW, BLK,
             at = blk
         tok = blk * B + offs_n
         ok = (tok >= 0) & (tok <= pos)  # blk = -1 gives tok < 0
-        kv = r * ROW + at * BLK + offs_n[:, None] * D + offs_d[None, :]
+        kv = r.to(tl.int64) * ROW + at * BLK + offs_n[:, None] * D + offs_d[None, :]  # caches past 2^31 elements
         kb = tl.load(KB + kv, mask=ok[:, None], other=0.0)
         vb = tl.load(VB + kv, mask=ok[:, None], other=0.0)
         s = tl.dot(q, tl.trans(kb)) * scale
@@ -288,7 +288,7 @@ def _dense_decode(Q, K, V, POS, O, M, L, scale, ROW, H_kv: tl.constexpr, G: tl.c
     for j in range(sp * per, tl.minimum(sp * per + per, pos // BN + 1)):
         tok = j * BN + offs_n
         ok = tok <= pos
-        kv = r * ROW + tok[:, None] * D + offs_d[None, :]
+        kv = r.to(tl.int64) * ROW + tok[:, None] * D + offs_d[None, :]
         kb = tl.load(K + kv, mask=ok[:, None], other=0.0)
         vb = tl.load(V + kv, mask=ok[:, None], other=0.0)
         s = tl.where(ok[None, :], tl.dot(q, tl.trans(kb)) * scale, float("-inf"))
