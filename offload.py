@@ -24,13 +24,15 @@ Per decode step and layer (model.Attention.decode calls append, then attend):
   6. when the tail block is full: write it to the host store, and keep it in a free slot (there is
      always one: at most k - 1 non-tail blocks are selected), so the window needs no transfer.
 By the locality theorem (nosa.py) step 4 moves at most k_q - 1 units per row and step. The small
-tensor operations of steps 2-3 (needed_blocks, count_moves) are compiled into a few kernels on a GPU.
+tensor operations of steps 2-3 are a Triton kernel (needed_blocks) and a compiled function (count_moves) on a GPU.
 """
 import copy
 import math
 import weakref
 
 import torch
+import triton
+import triton.language as tl
 from torch.profiler import record_function
 
 import attention
@@ -40,11 +42,18 @@ import transfer
 from kvcache import Cache, SubBlockCache, grow
 
 
-@fusion.fused
 def needed_blocks(sel, pos, active, H_kv, B, k):
     """What a step needs from the slot pool: sel (R, nb) the selected blocks of every row, pos (Bz,),
     active (Bz,). Returns the ascending ids of the selected blocks other than the tail, -1 padded,
-    (R, k) (at most k - 1 of them), and their number (R,). Ended sequences need nothing."""
+    (R, k) (at most k - 1 of them), and their number (R,). Ended sequences need nothing.
+    One Triton kernel on a GPU, the torch code (fused) elsewhere."""
+    if sel.is_cuda:
+        return needed_blocks_triton(sel, pos, active, H_kv, B, k)
+    return needed_blocks_torch(sel, pos, active, H_kv, B, k)
+
+
+@fusion.fused
+def needed_blocks_torch(sel, pos, active, H_kv, B, k):
     R, nb = sel.shape
     q_blk = (pos // B).repeat_interleave(H_kv)[:, None]  # (R, 1)
     b = torch.arange(nb, device=sel.device)
@@ -52,6 +61,32 @@ def needed_blocks(sel, pos, active, H_kv, B, k):
     col = torch.where(need, need.cumsum(1) - 1, k)  # the i-th needed block goes to column i; k is a spare
     ids = torch.full((R, k + 1), -1, dtype=torch.long, device=sel.device).scatter_(1, col, torch.where(need, b, -1))
     return ids[:, :k].contiguous(), need.sum(1)
+
+
+@triton.jit
+def _needed_blocks_kernel(SEL, POS, ACTIVE, IDS, N_NEED, nb, H_kv: tl.constexpr, B: tl.constexpr, K: tl.constexpr,
+                          NBP: tl.constexpr, KP: tl.constexpr):
+    """One program per row: the i-th selected non-tail block (a prefix sum over the row) to column i."""
+    r = tl.program_id(0)
+    b = tl.arange(0, NBP)
+    seq_on = tl.load(ACTIVE + r // H_kv + b * 0) != 0  # a vector (the interpreter's masks must be)
+    need = (tl.load(SEL + r * nb + b, mask=b < nb, other=0) != 0) & (b != tl.load(POS + r // H_kv) // B) & seq_on
+    col = tl.cumsum(need.to(tl.int32), 0) - 1
+    tl.store(IDS + r * K + col, b.to(tl.int64), mask=need & (col < K))
+    n = tl.sum(need.to(tl.int32), 0)
+    j = tl.arange(0, KP)
+    tl.store(IDS + r * K + j, tl.full([KP], -1, tl.int64), mask=(j >= n) & (j < K))
+    tl.store(N_NEED + r, n.to(tl.int64))
+
+
+def needed_blocks_triton(sel, pos, active, H_kv, B, k):
+    R, nb = sel.shape
+    ids = torch.empty(R, k, dtype=torch.long, device=sel.device)
+    n_need = torch.empty(R, dtype=torch.long, device=sel.device)
+    _needed_blocks_kernel[(R,)](sel.contiguous().view(torch.uint8), pos.contiguous(), active.view(torch.uint8), ids,
+                                n_need, nb, H_kv=H_kv, B=B, K=k, NBP=triton.next_power_of_2(nb),
+                                KP=triton.next_power_of_2(k))
+    return ids, n_need
 
 
 @fusion.fused

@@ -169,6 +169,7 @@ def test_model_through_the_kernels(monkeypatch):
     (offloaded: the slot pool; resident) matches the parallel forward through the training kernels."""
     from kvcache import KVCache
     import nosa
+    import offload
     from offload import OffloadCache
     import pooling
     from tests.conftest import decode_logits, make_model
@@ -182,6 +183,7 @@ def test_model_through_the_kernels(monkeypatch):
         monkeypatch.setattr(pooling, "query_aware_scores", lambda q, *a: (
             pooling.query_aware_scores_decode if q.shape[2] == 1 else pooling.query_aware_scores_triton)(q, *a))
         monkeypatch.setattr(nosa, "select_step", nosa.select_step_triton)
+        monkeypatch.setattr(offload, "needed_blocks", offload.needed_blocks_triton)
         par = model(idx)
         assert rel_err(par, ref) < FP32_TOL
         prompt_lens = [20, 70]

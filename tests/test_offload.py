@@ -111,6 +111,25 @@ def test_set_difference_random_sequences(data, R, k, n_steps):
                    {(b, s) for b, s in enumerate(block_slot[r].tolist()) if s >= 0}
 
 
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), Bz=st.integers(1, 3), H_kv=st.integers(1, 2), k=st.integers(2, 9), nb=st.integers(1, 40))
+def test_needed_blocks_kernel_equals_twin(data, Bz, H_kv, k, nb):
+    """The list of selected non-tail blocks as one Triton kernel (interpreted on CPU) == the torch code:
+    ragged positions (the tail anywhere, or past the selection), ended sequences, 0 to k - 1 blocks."""
+    B, R = 4, Bz * H_kv
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    pos = torch.randint(0, nb * B, (Bz,), generator=g)
+    active = torch.rand(Bz, generator=g) < 0.7
+    sel = torch.zeros(R, nb, dtype=torch.bool)
+    for r in range(R):
+        sel[r, torch.randperm(nb, generator=g)[:int(torch.randint(0, k, (), generator=g))]] = True
+        sel[r, int(pos[r // H_kv]) // B] = True  # the tail block is always selected
+    want = offload.needed_blocks_torch(sel, pos, active, H_kv, B, k)
+    got = offload.needed_blocks_triton(sel.to(DEV), pos.to(DEV), active.to(DEV), H_kv, B, k)
+    for w, x in zip(want, got):
+        assert torch.equal(x.cpu(), w)
+
+
 def test_budgets_and_modes_raise_before_allocating():
     model = make_model("nosa", torch.float32)
     with pytest.raises(MemoryError, match="host KV store needs .* lower the batch"):
