@@ -257,7 +257,7 @@ def _select_step_kernel(QS, IDS, POS, OUT, nb, H_kv: tl.constexpr, NBP: tl.const
         # [kth, kth + 4 * 2^(30 - 2i)), and at least KQ keys are >= kth (unless fewer exist)
         w = tl.arange(0, 4).to(tl.int64)
         for i in tl.static_range(16):
-            t = kth + (w << (30 - 2 * i))  # (4,) thresholds
+            t = (kth + (w << (30 - 2 * i))).to(tl.int32)  # (4,) thresholds, below 2^31: exact in int32
             n_above = tl.sum((in_row[None, :] & (key[None, :] >= t[:, None])).to(tl.int32), 1)  # (4,)
             kth += tl.max(tl.where(n_above >= KQ, w, 0), 0) << (30 - 2 * i)
         above, tie = in_row & (key > kth), in_row & (key == kth)
