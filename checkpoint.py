@@ -47,7 +47,8 @@ def save(model, tokenizer, path, dtype=None, train_state=None, optimizer=None):
     tmp, old = path + ".tmp", path + ".old"
     shutil.rmtree(tmp, ignore_errors=True)  # what a killed save left
     os.makedirs(tmp)
-    sd = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in model.state_dict().items()}
+    sd = {k: v.detach().to(dtype or v.dtype).contiguous() for k, v in model.state_dict().items()}
+    sd = {k: v.cpu() if v.is_cuda else v.clone() for k, v in sd.items()}  # own memory (fused weights are views)
     if model.cfg.tie_embeddings:
         sd.pop("lm_head.weight")
     save_file(sd, os.path.join(tmp, "model.safetensors"))

@@ -207,6 +207,7 @@ def main(checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, prompt=DEFAULT_PROMPT, ma
         model = Transformer(Config.from_preset("tiny", vocab_size=tokenizer.get_vocab_size(), **overrides))
         model = model.to(device).eval()
         model.eos_ids, model.chat_template, model.special_tokens = set(), None, {}  # what checkpoint.load reads
+    model.fuse_projections()  # a decode step: one matrix product for q, k, v, one for gate and up
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)  # several prompts: a ragged batch
     prompts = [prompts[i % len(prompts)] for i in range(max(batch, len(prompts)))]
     batch = len(prompts)

@@ -123,7 +123,7 @@ def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, w
         else:
             with torch.device(dev):  # initialised where it runs: an 8B model would take minutes on the host
                 model = Transformer(replace(base, attn=attn)).to(dtype)
-        model.eval()
+        model.eval().fuse_projections()
         cfg = model.cfg
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         new_cache = lambda n: (offload.OffloadCache(cfg, n, dev, dtype, max_len=max_len, host_budget=host_budget)

@@ -195,7 +195,7 @@ def test_cuda_kernels_match_twins():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("offloaded", [True, False])
 def test_graphed_decode_equals_eager(offloaded):
-    model = make_model("nosa", torch.float32, B=16, l_c=8, s_c=4).to(DEV)  # B >= 16: the Triton kernels
+    model = make_model("nosa", torch.float32, B=16, l_c=8, s_c=4).to(DEV).fuse_projections()  # B >= 16: Triton
     cfg = model.cfg
     prompt_lens = [5, 37, 70]
     T = max(prompt_lens) + 3 * cfg.k * cfg.B
