@@ -23,8 +23,9 @@ Per decode step and layer (model.Attention.decode calls append, then attend):
   5. attention  over the slots and the tail, with the bias
   6. when the tail block is full: write it to the host store, and keep it in a free slot (there is
      always one: at most k - 1 non-tail blocks are selected), so the window needs no transfer.
-By the locality theorem (nosa.py) step 4 moves at most k_q - 1 units per row and step. The small
-tensor operations of steps 2-3 are a Triton kernel (needed_blocks) and a compiled function (count_moves) on a GPU.
+By the locality theorem (nosa.py) step 4 moves at most k_q - 1 units per row and step. On a GPU the
+list of needed blocks is one Triton kernel (needed_blocks) and the counters one compiled function
+(count_moves).
 """
 import copy
 import math
