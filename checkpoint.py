@@ -48,7 +48,7 @@ def save(model, tokenizer, path, dtype=None, train_state=None, optimizer=None):
     shutil.rmtree(tmp, ignore_errors=True)  # what a killed save left
     os.makedirs(tmp)
     sd = {k: v.detach().to(dtype or v.dtype).contiguous() for k, v in model.state_dict().items()}
-    sd = {k: v.clone() if v.device.type == "cpu" else v.cpu() for k, v in sd.items()}  # own memory (fused weights are views)
+    sd = {k: v.clone() if v.device.type == "cpu" else v.cpu() for k, v in sd.items()}  # fused weights are views
     if model.cfg.tie_embeddings:
         sd.pop("lm_head.weight")
     save_file(sd, os.path.join(tmp, "model.safetensors"))
