@@ -64,7 +64,8 @@ def bench_prefill(H_q=32, H_kv=2, d=128):
 
 def bench_decode(H_q=32, H_kv=2, d=128):
     """One decode step of one layer's attention at the paper defaults: the slot-pool kernel (offload)
-    and the sparse kernel over a resident cache read k blocks per row; dense SDPA reads the context."""
+    and, over a resident cache, the training kernel and the decode kernel (split over the selected
+    blocks) read k blocks per row; dense SDPA reads the context."""
     cfg = Config.from_preset("paper")
     hbm = hbm_bandwidth()
     rows = []
@@ -89,14 +90,16 @@ def bench_decode(H_q=32, H_kv=2, d=128):
             mask[..., -1] = True  # the query's own block
             qpos = pos[:, None]
             t_res = do_bench(lambda: attention.SparseAttention.apply(q, kk, vv, bias, mask, qpos, cfg.B),
-                             warmup=20, rep=200, return_mode="median")
+                             warmup=20, rep=200, return_mode="median")  # the training kernel
+            t_res_dec = graph_time(lambda: attention.sparse_decode_triton(q, kk, vv, bias, mask, pos, cfg.B, cfg.k))
             t_sdpa = do_bench(lambda: F.scaled_dot_product_attention(q, kk, vv, enable_gqa=True),
                               warmup=20, rep=200, return_mode="median")
             sel_bytes = R * (cfg.k + 1) * 2 * cfg.B * d * 2  # K and V of the selected blocks, bf16
             rows.append(dict(batch=Bz, context=ctx, slot_us=round(t_slot * 1e3, 1),
                              slot_graph_us=round(t_graph * 1e3, 1), slot_graph_GB_s=round(sel_bytes / t_graph / 1e6, 1),
                              slot_graph_of_hbm=round(sel_bytes / t_graph / 1e6 / hbm, 3),
-                             resident_kernel_us=round(t_res * 1e3, 1), sdpa_full_us=round(t_sdpa * 1e3, 1),
+                             resident_kernel_us=round(t_res * 1e3, 1),
+                             resident_decode_graph_us=round(t_res_dec * 1e3, 1), sdpa_full_us=round(t_sdpa * 1e3, 1),
                              hbm_GB_s=round(hbm, 1)))
     return rows
 
