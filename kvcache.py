@@ -19,7 +19,7 @@ import copy
 import torch
 from torch.profiler import record_function
 
-import attention
+import decode
 import eviction
 import fusion
 import pooling
@@ -206,10 +206,10 @@ class KVCache(Cache):
         S = self.S()
         with record_function("attention"):
             if not self.cfg.sparse:
-                return attention.dense_decode(q, self.k[layer][:, :, :S], self.v[layer][:, :, :S], self.len)
+                return decode.dense_decode(q, self.k[layer][:, :, :S], self.v[layer][:, :, :S], self.len)
             bias = eviction.attention_bias(self.c[layer][:, :, :S], self.cfg.attn) if self.cfg.eviction_head else None
-            return attention.sparse_attention(q, self.k[layer][:, :, :S], self.v[layer][:, :, :S], bias, block_mask,
-                                              self.len[:, None], self.cfg)
+            return decode.sparse_decode(q, self.k[layer][:, :, :S], self.v[layer][:, :, :S], bias, block_mask,
+                                        self.len, self.cfg.B, self.cfg.k)
 
     def _grow(self, layer, n):
         self.k[layer], self.v[layer] = grow(self.k[layer], n, 2), grow(self.v[layer], n, 2)

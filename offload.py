@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 from torch.profiler import record_function
 
-import attention
+import decode
 import eviction
 import fusion
 import transfer
@@ -359,7 +359,7 @@ class OffloadCache(Cache):
                 self.turn[0].record()
         with record_function("attention"):
             bias = eviction.attention_bias(self.c[layer], cfg.attn) if cfg.eviction_head else None
-            o = attention.slot_attention(q, self.pool[layer], self.slot_block[layer], bias, self.len, B)
+            o = decode.slot_attention(q, self.pool[layer], self.slot_block[layer], bias, self.len, B)
         with record_function("transfer"):
             transfer.flush_tails(self.host[layer], self.pool[layer], self.slot_block[layer], self.block_slot[layer],
                                  self.len, cfg.H_kv, B)

@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 import attention
+import decode
 import nosa
 import pooling
 from bench import graph_time, hbm_bandwidth
@@ -79,9 +80,9 @@ def bench_decode(H_q=32, H_kv=2, d=128):
             slot_block = torch.stack([torch.randperm(ctx // cfg.B - 1, device="cuda")[:cfg.k] for _ in range(R)])
             pos = torch.full((Bz,), ctx - 1, device="cuda")
             bias = torch.randn(Bz, H_kv, ctx, device="cuda")
-            t_slot = do_bench(lambda: attention.slot_attention(q, pool, slot_block, bias, pos, cfg.B),
+            t_slot = do_bench(lambda: decode.slot_attention(q, pool, slot_block, bias, pos, cfg.B),
                               warmup=20, rep=200, return_mode="median")
-            t_graph = graph_time(lambda: attention.slot_attention(q, pool, slot_block, bias, pos, cfg.B))
+            t_graph = graph_time(lambda: decode.slot_attention(q, pool, slot_block, bias, pos, cfg.B))
             kk, vv = (torch.randn(Bz, H_kv, ctx, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
             nb = ctx // cfg.B
             mask = torch.zeros(Bz, H_kv, 1, nb, dtype=torch.bool, device="cuda")
@@ -91,7 +92,7 @@ def bench_decode(H_q=32, H_kv=2, d=128):
             qpos = pos[:, None]
             t_res = do_bench(lambda: attention.SparseAttention.apply(q, kk, vv, bias, mask, qpos, cfg.B),
                              warmup=20, rep=200, return_mode="median")  # the training kernel
-            t_res_dec = graph_time(lambda: attention.sparse_decode_triton(q, kk, vv, bias, mask, pos, cfg.B, cfg.k))
+            t_res_dec = graph_time(lambda: decode.sparse_decode_triton(q, kk, vv, bias, mask, pos, cfg.B, cfg.k))
             t_sdpa = do_bench(lambda: F.scaled_dot_product_attention(q, kk, vv, enable_gqa=True),
                               warmup=20, rep=200, return_mode="median")
             sel_bytes = R * (cfg.k + 1) * 2 * cfg.B * d * 2  # K and V of the selected blocks, bf16
@@ -106,7 +107,7 @@ def bench_decode(H_q=32, H_kv=2, d=128):
 
 def bench_sdpa(Bz=12, H_kv=2, G=16, S=131073, d=128):
     """One dense decode call (the G query heads of a KV head as G rows) under each SDPA backend:
-    the SDPA baselines beside the split-key kernel of attention.dense_decode."""
+    the SDPA baselines beside the split-key kernel of decode.dense_decode."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     q = torch.randn(Bz, H_kv, G, d, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn(Bz, H_kv, S, d, device="cuda", dtype=torch.bfloat16)

@@ -1,10 +1,11 @@
-"""Triton kernels against their torch twins (attention.py), forward and all gradients, on fresh
-random inputs. On CPU they run in the Triton interpreter (fp32, small shapes); on a GPU compiled,
-in fp32 and bf16."""
+"""Triton kernels against their torch twins (attention.py, decode.py), forward and all gradients,
+on fresh random inputs. On CPU they run in the Triton interpreter (fp32, small shapes); on a GPU
+compiled, in fp32 and bf16."""
 import pytest
 import torch
 
 import attention
+import decode
 import fusion
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -78,7 +79,7 @@ def test_sparse_attention_kernel_ragged_decode_positions():
     for bias in (None, c):
         want = attention.sparse_attention_torch(q, kk, v, bias, mask, q_pos, B)
         for n_split in (1, 2, 5):
-            got = attention.sparse_decode_triton(q, kk, v, bias, mask, q_pos[:, 0], B, k, n_split=n_split)
+            got = decode.sparse_decode_triton(q, kk, v, bias, mask, q_pos[:, 0], B, k, n_split=n_split)
             assert rel_err(got, want) < FP32_TOL, (bias is None, n_split)
 
 
@@ -97,9 +98,9 @@ def test_slot_decode_kernel_matches_twin(G, d):
         slot_block[r, slots] = torch.randperm(q_blk)[:n].to(DEV)
     bias = torch.randn(Bz, H_kv, 256, device=DEV)
     for b in (bias, None):
-        want = attention.slot_attention_torch(q, pool, slot_block, b, pos, B)
+        want = decode.slot_attention_torch(q, pool, slot_block, b, pos, B)
         for n_split in (1, 2, 6):
-            got = attention.slot_attention_triton(q, pool, slot_block, b, pos, B, n_split=n_split)
+            got = decode.slot_attention_triton(q, pool, slot_block, b, pos, B, n_split=n_split)
             assert rel_err(got, want) < FP32_TOL, n_split
 
 
@@ -111,9 +112,9 @@ def test_dense_decode_kernel_matches_twin(G, d):
     q = torch.randn(Bz, H_kv * G, 1, d, device=DEV)
     k, v = torch.randn(2, Bz, H_kv, S + 50, d, device=DEV)[..., :S, :]  # the first S of a longer buffer
     pos = torch.tensor([0, 130, S - 1], device=DEV)
-    want = attention.dense_decode_torch(q, k, v, pos)
+    want = decode.dense_decode_torch(q, k, v, pos)
     for n_split in (1, 3, 7):
-        got = attention.dense_decode_triton(q, k, v, pos, n_split=n_split)
+        got = decode.dense_decode_triton(q, k, v, pos, n_split=n_split)
         assert rel_err(got, want) < FP32_TOL, n_split
 
 
