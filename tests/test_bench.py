@@ -24,7 +24,8 @@ def test_throughput_bench_small():
     # at most k_q - 1 new blocks per (sequence, layer, KV head) and step
     assert 0 < nosa["mb_per_step"] <= round((cfg.k_q - 1) * nosa["batch"] * cfg.n_layer * cfg.H_kv * unit_mb, 2)
     for r in rows:
-        assert r["tokens_s"] == pytest.approx(r["batch"] / r["step_ms"] * 1e3, rel=0.01)
+        # both are rounded (tokens/s to 0.1, the step to 0.01 ms): a slow CPU gives a few tokens/s
+        assert r["tokens_s"] == pytest.approx(r["batch"] / r["step_ms"] * 1e3, rel=0.01, abs=0.05)
         assert all(r[f"{p}_ms"] >= 0 for p in PHASES) and r["weights_ms"] > 0 and r["attention_ms"] > 0
     assert by["full, resident cache"]["selection_ms"] == by["full, resident cache"]["transfer_ms"] == 0
     assert by["nosa + offload"]["transfer_ms"] > 0 and by["nosa + offload"]["mb_per_step"] > 0
