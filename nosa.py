@@ -239,7 +239,7 @@ def _select_step_kernel(QS, IDS, POS, OUT, nb, H_kv: tl.constexpr, NBP: tl.const
                         K: tl.constexpr, KQ: tl.constexpr, N_CORE: tl.constexpr):
     """One program per row (sequence, KV head): Γ(t) as select_blocks makes it, over the nb blocks
     in registers. The k_q - 1 best candidates by Q without sorting: the KQ-th best score by a search
-    over its bits, then the entries tied with it from the most recent block down (top_desc's order)."""
+    over its bytes, then the entries tied with it from the most recent block down (top_desc's order)."""
     r = tl.program_id(0)
     b = tl.arange(0, NBP)
     in_row = b < nb
@@ -248,18 +248,27 @@ def _select_step_kernel(QS, IDS, POS, OUT, nb, H_kv: tl.constexpr, NBP: tl.const
     forced = causal & ((b < N_SINK) | (b >= q_blk - N_WIN))
     cand = causal & ~forced
     key = tl.zeros([NBP], tl.int32)
-    kth = tl.full([], -2**31, tl.int64)  # the KQ-th best key; with KQ = 0 every candidate is above it
+    kth = tl.full([], -2**31, tl.int32)  # the KQ-th best key; with KQ = 0 every candidate is above it
     b0 = NBP  # ties with the KQ-th best are taken from block b0 on (later ones are more recent)
     pick_q = cand & (KQ > 0)
     if KQ > 0:
         key = _ordered(tl.load(QS + r * nb + b, mask=cand, other=float("-inf")))  # non-candidates: -inf
-        # the largest t with at least KQ keys >= t, 2 bits a round: before round i it lies in
-        # [kth, kth + 4 * 2^(30 - 2i)), and at least KQ keys are >= kth (unless fewer exist)
-        w = tl.arange(0, 4).to(tl.int64)
-        for i in tl.static_range(16):
-            t = (kth + (w << (30 - 2 * i))).to(tl.int32)  # (4,) thresholds, below 2^31: exact in int32
-            n_above = tl.sum((in_row[None, :] & (key[None, :] >= t[:, None])).to(tl.int32), 1)  # (4,)
-            kth += tl.max(tl.where(n_above >= KQ, w, 0), 0) << (30 - 2 * i)
+        # kth = the largest t with at least KQ keys >= t (the KQ-th best, or the lowest key if fewer),
+        # a byte at a time from the top (radix select): among the keys that agree with kth's bytes so
+        # far, a histogram of the next byte; kth's byte is the highest d whose keys, with those already
+        # above, number KQ or more. Keys as unsigned (sign bit flipped), so bytes order as keys do.
+        u = key ^ -2**31
+        d = tl.arange(0, 256)
+        match, n_gt, kth = in_row, 0, tl.full([], 0, tl.int32)  # keys agreeing so far; keys above kth
+        for i in tl.static_range(4):
+            digit = (u >> (24 - 8 * i)) & 0xFF
+            h = tl.histogram(tl.where(match, digit, 0), 256)  # bin 0 also counts the others: never read
+            n_ge = n_gt + tl.cumsum(h, 0, reverse=True)  # (256,) keys above kth so far, or at byte >= d
+            best = tl.max(tl.where((n_ge >= KQ) & (d > 0), d, 0), 0)
+            n_gt += tl.sum(tl.where(d > best, h, 0), 0)
+            match = match & (digit == best)
+            kth = kth | (best << (24 - 8 * i))
+        kth = kth ^ -2**31
         above, tie = in_row & (key > kth), in_row & (key == kth)
         room = KQ - tl.sum(above.to(tl.int32), 0)
         later = tl.cumsum(tie.to(tl.int32), 0, reverse=True)  # ties at this block or after it

@@ -13,7 +13,7 @@
 //   The host store is pinned, so with unified virtual addressing a kernel reads it directly through
 //   its device pointer (cudaHostGetDevicePointer): one launch moves every missed block of a layer
 //   as 16-byte vector reads, many PCIe requests in flight, instead of one memcpy per block. With
-//   ctas > 0 at most that many thread blocks loop over the units, leaving the other SMs to kernels
+//   ctas > 0 at most that many thread blocks share the misses, leaving the other SMs to kernels
 //   running beside the gather on another stream (micro-batches, generate.GraphedDecode).
 // flush_tails: for every row whose tail block (pool slot k) has just been filled (pos % B == B - 1),
 //   write it to host[row, pos / B] through the same mapping and copy it into the first free slot,
@@ -82,31 +82,67 @@ __global__ void set_difference_kernel(const int64_t* __restrict__ need,  // (R, 
 }
 
 constexpr int THREADS = 256;
-constexpr int UNROLL = 4;  // 16-byte loads each thread keeps in flight before it stores
+constexpr int UNROLL = 8;  // 16-byte loads each thread keeps in flight before it stores (32 KiB a block)
+
+__device__ __forceinline__ void copy_unit(const int4* __restrict__ src, int4* __restrict__ dst, int64_t U16) {
+  for (int64_t base = threadIdx.x; base < U16; base += (int64_t)THREADS * UNROLL) {
+    int4 buf[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      int64_t i = base + (int64_t)u * THREADS;
+      if (i < U16) buf[u] = src[i];
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      int64_t i = base + (int64_t)u * THREADS;
+      if (i < U16) dst[i] = buf[u];
+    }
+  }
+}
 
 __global__ void gather_units_kernel(const int4* __restrict__ host,    // (R, cap, U16) in pinned memory
                                     int4* __restrict__ pool,          // (R, n_slots >= k, U16) on the device
                                     const int64_t* __restrict__ fetch,  // (R, k)
                                     int64_t n_rs, int64_t k, int64_t n_slots, int64_t cap, int64_t U16) {
-  for (int64_t rs = blockIdx.x; rs < n_rs; rs += gridDim.x) {  // (row, slot) pairs
-    int64_t b = fetch[rs];
-    if (b < 0) continue;
+  auto copy = [&](int64_t rs, int64_t b) {
     int64_t row = rs / k, slot = rs % k;
-    const int4* src = host + (row * cap + b) * U16;
-    int4* dst = pool + (row * n_slots + slot) * U16;
-    for (int64_t base = threadIdx.x; base < U16; base += (int64_t)THREADS * UNROLL) {
-      int4 buf[UNROLL];
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        int64_t i = base + (int64_t)u * THREADS;
-        if (i < U16) buf[u] = src[i];
-      }
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        int64_t i = base + (int64_t)u * THREADS;
-        if (i < U16) dst[i] = buf[u];
-      }
+    copy_unit(host + (row * cap + b) * U16, pool + (row * n_slots + slot) * U16, U16);
+  };
+  if (gridDim.x >= n_rs) {  // one block per (row, slot)
+    int64_t b = fetch[blockIdx.x];
+    if (b >= 0) copy(blockIdx.x, b);
+    return;
+  }
+  // Fewer blocks than units: most entries of fetch are hits (-1), so a block that read them one by one
+  // would spend its time waiting on those reads with nothing in flight. Instead every block reads
+  // fetch THREADS entries at a time (one per thread), ranks the misses among them, and copies the
+  // misses whose rank over the whole list, modulo the grid, is its own: the misses, not the
+  // entries, are spread evenly over the blocks.
+  __shared__ int warp_misses[THREADS / 32];
+  __shared__ int64_t mine_rs[THREADS], mine_b[THREADS];
+  __shared__ int n_mine;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int64_t seen = 0;  // misses in the chunks before this one
+  for (int64_t c0 = 0; c0 < n_rs; c0 += THREADS) {
+    int64_t rs = c0 + threadIdx.x, b = rs < n_rs ? fetch[rs] : -1;
+    unsigned ballot = __ballot_sync(0xffffffffu, b >= 0);
+    if (lane == 0) warp_misses[warp] = __popc(ballot);
+    if (threadIdx.x == 0) n_mine = 0;
+    __syncthreads();
+    int64_t rank = seen + __popc(ballot & ((1u << lane) - 1)), total = 0;
+    for (int w = 0; w < THREADS / 32; ++w) {
+      rank += w < warp ? warp_misses[w] : 0;
+      total += warp_misses[w];
     }
+    if (b >= 0 && rank % gridDim.x == blockIdx.x) {
+      int i = atomicAdd(&n_mine, 1);
+      mine_rs[i] = rs;
+      mine_b[i] = b;
+    }
+    __syncthreads();
+    for (int i = 0; i < n_mine; ++i) copy(mine_rs[i], mine_b[i]);
+    __syncthreads();  // the shared lists are rewritten by the next chunk
+    seen += total;
   }
 }
 
@@ -173,7 +209,7 @@ void set_difference(torch::Tensor need, torch::Tensor slot_block, torch::Tensor 
   CHECK_CUDA(cudaGetLastError());
 }
 
-void gather_units(torch::Tensor host, torch::Tensor pool, torch::Tensor fetch, int64_t ctas) {
+void gather_units(torch::Tensor host, torch::Tensor pool, torch::Tensor fetch, int64_t ctas, bool high_priority) {
   TORCH_CHECK(!host.is_cuda() && host.is_pinned(), "uva_copy: the host store must be pinned CPU memory");
   TORCH_CHECK(pool.is_cuda() && fetch.is_cuda() && fetch.scalar_type() == torch::kInt64, "uva_copy: bad pool/fetch");
   TORCH_CHECK(host.is_contiguous() && pool.is_contiguous() && fetch.is_contiguous(), "contiguous tensors expected");
@@ -185,10 +221,22 @@ void gather_units(torch::Tensor host, torch::Tensor pool, torch::Tensor fetch, i
   TORCH_CHECK(pool.numel() / (R * n_slots) * pool.element_size() == unit_bytes, "uva_copy: unit sizes differ");
   if (R * k == 0) return;
   int64_t grid = ctas > 0 ? std::min(ctas, R * k) : R * k;  // ctas: at most that many blocks, each loops
-  gather_units_kernel<<<grid, THREADS, 0, at::cuda::getCurrentCUDAStream()>>>(
-      static_cast<const int4*>(device_pointer(host)), static_cast<int4*>(pool.data_ptr()), fetch.data_ptr<int64_t>(),
-      R * k, k, n_slots, cap, unit_bytes / 16);
-  CHECK_CUDA(cudaGetLastError());
+  // priority: the gather's blocks are scheduled before those of kernels waiting beside it (another
+  // micro-batch's), so PCIe is never idle for want of an SM; kept in a CUDA graph (captured per node)
+  int least = 0, greatest = 0;
+  CHECK_CUDA(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributePriority;
+  attr[0].val.priority = greatest;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3((unsigned)grid);
+  config.blockDim = dim3(THREADS);
+  config.stream = at::cuda::getCurrentCUDAStream();
+  config.attrs = attr;
+  config.numAttrs = high_priority ? 1 : 0;  // otherwise the stream's priority
+  CHECK_CUDA(cudaLaunchKernelEx(&config, gather_units_kernel, static_cast<const int4*>(device_pointer(host)),
+                                static_cast<int4*>(pool.data_ptr()), static_cast<const int64_t*>(fetch.data_ptr<int64_t>()),
+                                R * k, k, n_slots, cap, unit_bytes / 16));
 }
 
 void flush_tails(torch::Tensor host, torch::Tensor pool, torch::Tensor slot_block, torch::Tensor block_slot,
@@ -215,6 +263,6 @@ void flush_tails(torch::Tensor host, torch::Tensor pool, torch::Tensor slot_bloc
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_difference", &set_difference, "slot-pool set difference (in place), fetch list out");
   m.def("gather_units", &gather_units, "UVA gather of KV units from pinned host memory into the slot pool",
-        py::arg("host"), py::arg("pool"), py::arg("fetch"), py::arg("ctas") = 0);
+        py::arg("host"), py::arg("pool"), py::arg("fetch"), py::arg("ctas") = 0, py::arg("high_priority") = false);
   m.def("flush_tails", &flush_tails, "full tail blocks: write back to the host store, keep in a free slot");
 }

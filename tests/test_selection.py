@@ -146,16 +146,17 @@ def test_top_k_without_sort_equals_rank(data, nb, n):
 @given(cfg=configs(), data=st.data(), attn=st.sampled_from(["nosa", "infllmv2", "dma"]))
 def test_select_step_kernel_equals_twin(cfg, data, attn):
     """A decode step's selection as one Triton kernel (interpreted on CPU) == the torch code, for random
-    configs, every sparse mode, ragged positions (few blocks, and past them), Q with many ties, zeros
-    and -inf, and each row's list of its best candidates by E (at times Q's own order, so that Q
+    configs, every sparse mode, ragged positions (few blocks, and past them), Q with many ties, zeros,
+    -inf and values apart only in their lowest bits, and each row's list of its best candidates by E (at times Q's own order, so that Q
     takes list members tied with its last pick)."""
     from dataclasses import replace
     cfg = replace(cfg, attn=attn)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     Bz, H, nb = 3, 2, data.draw(st.integers(1, 48))
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
-    values = torch.tensor([-1.0, 0.0, 0.25, 0.5, 1.0, float("-inf")])
-    Q = values[torch.randint(0, 6, (Bz, H, 1, nb), generator=g)]
+    values = torch.tensor([-1.0, 0.0, 0.25, 0.5, 1.0, float("-inf"),  # and neighbours that differ in low bits:
+                           1 + 2**-23, 1 + 2**-15, 1 - 2**-24, -1 - 2**-23, 0.5 + 2**-22, 2**-140, -(2**-140)])
+    Q = values[torch.randint(0, len(values) if data.draw(st.booleans()) else 6, (Bz, H, 1, nb), generator=g)]
     pos = torch.randint(0, nb * cfg.B, (Bz, 1), generator=g)
     n = cfg.n_core + cfg.k_q_free if cfg.eviction_head and cfg.n_core > 0 else 0
     ids = None
