@@ -159,7 +159,6 @@ def set_difference(need, slot_block, block_slot, fetch):
 
 
 GATHER_CTAS = os.environ.get("NOSA_GATHER_CTAS")  # set: the gather's thread blocks (0: one per unit)
-GATHER_PRIORITY = os.environ.get("NOSA_GATHER_PRIORITY", "0") == "1"  # the gather at the highest stream priority
 
 
 def gather_ctas(unit_bytes):
@@ -175,7 +174,7 @@ def gather_units(host, pool, fetch):
         return gather_units_torch(host, pool, fetch)
     ext = _kernels(pool.device)
     if ext:
-        ext.gather_units(host, pool, fetch, gather_ctas(host.stride(1) * host.element_size()), GATHER_PRIORITY)
+        ext.gather_units(host, pool, fetch, gather_ctas(host.stride(1) * host.element_size()))
     else:
         gather_units_triton(host, pool, fetch)
 

@@ -209,7 +209,7 @@ void set_difference(torch::Tensor need, torch::Tensor slot_block, torch::Tensor 
   CHECK_CUDA(cudaGetLastError());
 }
 
-void gather_units(torch::Tensor host, torch::Tensor pool, torch::Tensor fetch, int64_t ctas, bool high_priority) {
+void gather_units(torch::Tensor host, torch::Tensor pool, torch::Tensor fetch, int64_t ctas) {
   TORCH_CHECK(!host.is_cuda() && host.is_pinned(), "uva_copy: the host store must be pinned CPU memory");
   TORCH_CHECK(pool.is_cuda() && fetch.is_cuda() && fetch.scalar_type() == torch::kInt64, "uva_copy: bad pool/fetch");
   TORCH_CHECK(host.is_contiguous() && pool.is_contiguous() && fetch.is_contiguous(), "contiguous tensors expected");
@@ -221,22 +221,10 @@ void gather_units(torch::Tensor host, torch::Tensor pool, torch::Tensor fetch, i
   TORCH_CHECK(pool.numel() / (R * n_slots) * pool.element_size() == unit_bytes, "uva_copy: unit sizes differ");
   if (R * k == 0) return;
   int64_t grid = ctas > 0 ? std::min(ctas, R * k) : R * k;  // ctas: at most that many blocks, each loops
-  // priority: the gather's blocks are scheduled before those of kernels waiting beside it (another
-  // micro-batch's), so PCIe is never idle for want of an SM; kept in a CUDA graph (captured per node)
-  int least = 0, greatest = 0;
-  CHECK_CUDA(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributePriority;
-  attr[0].val.priority = greatest;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3((unsigned)grid);
-  config.blockDim = dim3(THREADS);
-  config.stream = at::cuda::getCurrentCUDAStream();
-  config.attrs = attr;
-  config.numAttrs = high_priority ? 1 : 0;  // otherwise the stream's priority
-  CHECK_CUDA(cudaLaunchKernelEx(&config, gather_units_kernel, static_cast<const int4*>(device_pointer(host)),
-                                static_cast<int4*>(pool.data_ptr()), static_cast<const int64_t*>(fetch.data_ptr<int64_t>()),
-                                R * k, k, n_slots, cap, unit_bytes / 16));
+  gather_units_kernel<<<grid, THREADS, 0, at::cuda::getCurrentCUDAStream()>>>(
+      static_cast<const int4*>(device_pointer(host)), static_cast<int4*>(pool.data_ptr()), fetch.data_ptr<int64_t>(),
+      R * k, k, n_slots, cap, unit_bytes / 16);
+  CHECK_CUDA(cudaGetLastError());
 }
 
 void flush_tails(torch::Tensor host, torch::Tensor pool, torch::Tensor slot_block, torch::Tensor block_slot,
@@ -263,6 +251,6 @@ void flush_tails(torch::Tensor host, torch::Tensor pool, torch::Tensor slot_bloc
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_difference", &set_difference, "slot-pool set difference (in place), fetch list out");
   m.def("gather_units", &gather_units, "UVA gather of KV units from pinned host memory into the slot pool",
-        py::arg("host"), py::arg("pool"), py::arg("fetch"), py::arg("ctas") = 0, py::arg("high_priority") = false);
+        py::arg("host"), py::arg("pool"), py::arg("fetch"), py::arg("ctas") = 0);
   m.def("flush_tails", &flush_tails, "full tail blocks: write back to the host store, keep in a free slot");
 }

@@ -196,17 +196,17 @@ def test_cuda_kernels_match_twins():
 @pytest.mark.parametrize("ctas", [0, 1, 3, 16, 5000])
 def test_cuda_gather_with_few_blocks(ctas):
     """The gather on fewer thread blocks than units shares out the misses of a mostly-hit fetch list
-    (several chunks of 256 entries): every miss copied once, nothing else written, at either priority."""
+    (several chunks of 256 entries): every miss copied once, nothing else written."""
     ext = transfer._kernels("cuda")
     R, k, cap, U = 40, 64, 300, (2, 8, 32)
     host = torch.randn(R, cap, *U, dtype=torch.bfloat16).pin_memory()
-    for high_priority in (False, True):
+    for _ in range(2):
         fetch = torch.stack([torch.randperm(cap)[:k] for _ in range(R)])
         fetch[torch.rand(R, k) < 0.75] = -1  # hits
         pool = torch.randn(R, k + 1, *U, dtype=torch.bfloat16)  # + the tail slot, never written
         dev_pool = pool.cuda()
         transfer.gather_units_torch(host, pool, fetch)
-        ext.gather_units(host, dev_pool, fetch.cuda(), ctas, high_priority)
+        ext.gather_units(host, dev_pool, fetch.cuda(), ctas)
         torch.cuda.synchronize()
         assert torch.equal(pool, dev_pool.cpu())
 
