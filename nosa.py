@@ -298,7 +298,7 @@ def select_step_triton(Q, core_ids, q_pos, cfg):
     _select_step_kernel[(Bz * H_kv,)](Q.contiguous(), ids, q_pos.reshape(Bz).contiguous(), out, nb, H_kv=H_kv,
                                       NBP=triton.next_power_of_2(nb), N_LIST=n, NLP=triton.next_power_of_2(max(n, 1)),
                                       B=cfg.B, N_SINK=cfg.n_sink, N_WIN=cfg.n_win, K=cfg.k, KQ=max(cfg.k_q_free, 0),
-                                      N_CORE=cfg.n_core if n else 0, num_warps=4)
+                                      N_CORE=cfg.n_core if n else 0, num_warps=8)
     return out.view(torch.bool)
 
 
