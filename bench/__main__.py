@@ -48,6 +48,8 @@ if __name__ == "__main__":
     p.add_argument("--budget-gb", type=float, default=24.0, help="throughput: GPU memory budget")
     p.add_argument("--steps", type=int, default=256, help="throughput: timed decode steps")
     p.add_argument("--host-gb", type=float, help="throughput: host memory budget (default: what is available)")
+    p.add_argument("--max-batch", type=int, default=256,
+                   help="throughput: no system runs a larger batch than this (e.g. 1: every system at batch 1)")
     p.add_argument("--micro-batches", default="2",
                    help="throughput: offloading systems once per count, e.g. 1,2 (parts decoded side by side)")
     p.add_argument("--trained", action="store_true", help="throughput: the trained models in --ckpts, real prompts")
@@ -57,6 +59,7 @@ if __name__ == "__main__":
     p.add_argument("--gen-len", type=int, default=1024, help="quality: tokens generated (and teacher-forced window)")
     a = p.parse_args()
     kw = dict(shape=a.shape, prompt_len=a.prompt_len, budget_gb=a.budget_gb, steps=a.steps, host_gb=a.host_gb,
+              batch_limit=a.max_batch,
               trained=a.trained, micro_batches=tuple(int(m) for m in a.micro_batches.split(","))
               ) if a.what == "throughput" else {}
     checkpoint.run_cli(main, a.what, a.json, a.ckpts, checkpoint_dir=a.checkpoint, judge=a.judge, gen_len=a.gen_len,

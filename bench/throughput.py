@@ -91,7 +91,8 @@ def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, w
     """Steady-state decode tokens/s at a fixed GPU memory budget. Each system gets the largest batch
     whose weights + KV cache (offload.cache_bytes) + activations fit the budget, the activations
     measured: the peak of a graphed step at batch 1 and 2 beyond the cache, extrapolated linearly
-    (activation_bytes); the peak of the timed run is reported beside the budget. With random weights (the default) the cache is filled with random K, V, c through the
+    (activation_bytes); the peak of the timed run is reported beside the budget; batch_limit caps
+    every batch. With random weights (the default) the cache is filled with random K, V, c through the
     prefill path, so the query-aware selection is random: hit rates are then the guaranteed bound's
     worst case, not a trained model's. With ckpts (train.py's tiny models: DIR/tiny-{nosa,full,infllmv2})
     the prompts are real text run through each trained model: real selections.
@@ -174,7 +175,8 @@ def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, w
             needed0, moved0 = ((cache.stats.needed.sum().item(), cache.stats.moved.sum().item()) if use_offload
                                else (0, 0))
             graph_s = timed(gstep, steps)  # after: one graph replay per step
-        row.update(tokens_s=round(Bz / graph_s, 1), step_ms=round(graph_s * 1e3, 2),
+        row.update(micro_batches=len(graphed.parts or [None]),  # fewer than asked when the batch is smaller
+                   tokens_s=round(Bz / graph_s, 1), step_ms=round(graph_s * 1e3, 2),
                    eager_step_ms=round(eager_s * 1e3, 2),
                    graphed=graphed.graph is not None,
                    **{f"{p}_ms": round(split[p], 2) for p in PHASES},
