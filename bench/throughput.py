@@ -90,7 +90,7 @@ def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, w
                      host_gb=None, ckpts=None, eager_steps=8, systems=tuple(SYSTEMS), micro_batches=(2,)):
     """Steady-state decode tokens/s at a fixed GPU memory budget. Each system gets the largest batch
     whose weights + KV cache (offload.cache_bytes) + activations fit the budget, the activations
-    measured: the peak of a graphed step at batch 1 and 2 beyond the cache, extrapolated linearly
+    measured: the peak of a graphed step at two batch sizes beyond the cache, extrapolated linearly
     (activation_bytes); the peak of the timed run is reported beside the budget; batch_limit caps
     every batch. With random weights (the default) the cache is filled with random K, V, c through the
     prefill path, so the query-aware selection is random: hit rates are then the guaranteed bound's
