@@ -82,65 +82,100 @@ __global__ void set_difference_kernel(const int64_t* __restrict__ need,  // (R, 
 }
 
 constexpr int THREADS = 256;
-constexpr int UNROLL = 8;  // 16-byte loads each thread keeps in flight before it stores (32 KiB a block)
-
-__device__ __forceinline__ void copy_unit(const int4* __restrict__ src, int4* __restrict__ dst, int64_t U16) {
-  for (int64_t base = threadIdx.x; base < U16; base += (int64_t)THREADS * UNROLL) {
-    int4 buf[UNROLL];
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      int64_t i = base + (int64_t)u * THREADS;
-      if (i < U16) buf[u] = src[i];
-    }
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      int64_t i = base + (int64_t)u * THREADS;
-      if (i < U16) dst[i] = buf[u];
-    }
-  }
-}
+constexpr int UNROLL = 8;      // 16-byte loads each thread keeps in flight before it stores (32 KiB a block)
+constexpr int PER_THREAD = 4;  // fetch entries each thread reads per chunk
+constexpr int CHUNK = THREADS * PER_THREAD;
 
 __global__ void gather_units_kernel(const int4* __restrict__ host,    // (R, cap, U16) in pinned memory
                                     int4* __restrict__ pool,          // (R, n_slots >= k, U16) on the device
                                     const int64_t* __restrict__ fetch,  // (R, k)
                                     int64_t n_rs, int64_t k, int64_t n_slots, int64_t cap, int64_t U16) {
-  auto copy = [&](int64_t rs, int64_t b) {
-    int64_t row = rs / k, slot = rs % k;
-    copy_unit(host + (row * cap + b) * U16, pool + (row * n_slots + slot) * U16, U16);
-  };
   if (gridDim.x >= n_rs) {  // one block per (row, slot)
-    int64_t b = fetch[blockIdx.x];
-    if (b >= 0) copy(blockIdx.x, b);
+    int64_t rs = blockIdx.x, b = fetch[rs];
+    if (b < 0) return;
+    const int4* src = host + (rs / k * cap + b) * U16;
+    int4* dst = pool + (rs / k * n_slots + rs % k) * U16;
+    for (int64_t base = threadIdx.x; base < U16; base += (int64_t)THREADS * UNROLL) {
+      int4 buf[UNROLL];
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u)
+        if (base + u * THREADS < U16) buf[u] = src[base + u * THREADS];
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u)
+        if (base + u * THREADS < U16) dst[base + u * THREADS] = buf[u];
+    }
     return;
   }
-  // Fewer blocks than units: most entries of fetch are hits (-1), so a block that read them one by one
-  // would spend its time waiting on those reads with nothing in flight. Instead every block reads
-  // fetch THREADS entries at a time (one per thread), ranks the misses among them, and copies the
-  // misses whose rank over the whole list, modulo the grid, is its own: the misses, not the
-  // entries, are spread evenly over the blocks.
+  // Fewer blocks than units. Most entries of fetch are hits (-1), so the blocks do not walk the list:
+  // every block reads it CHUNK entries at a time, ranks the misses among them (the same ranks in every
+  // block), and copies those whose rank, modulo the grid, is its own. A block's misses of a chunk are
+  // then one stream of 16-byte words, cut into rounds of THREADS * UNROLL loads whatever the unit
+  // size, so 32 KiB stay in flight even for small units. The next chunk's entries are loaded before
+  // the copy, so their latency hides behind it.
   __shared__ int warp_misses[THREADS / 32];
-  __shared__ int64_t mine_rs[THREADS], mine_b[THREADS];
+  __shared__ int64_t mine_src[CHUNK], mine_dst[CHUNK];  // word offsets of this block's misses
   __shared__ int n_mine;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int64_t next[PER_THREAD];
+  auto load = [&](int64_t c0) {  // entry c0 + e * THREADS + threadIdx.x: coalesced
+#pragma unroll
+    for (int e = 0; e < PER_THREAD; ++e) {
+      int64_t rs = c0 + e * THREADS + threadIdx.x;
+      next[e] = rs < n_rs ? fetch[rs] : -1;
+    }
+  };
+  load(0);
   int64_t seen = 0;  // misses in the chunks before this one
-  for (int64_t c0 = 0; c0 < n_rs; c0 += THREADS) {
-    int64_t rs = c0 + threadIdx.x, b = rs < n_rs ? fetch[rs] : -1;
-    unsigned ballot = __ballot_sync(0xffffffffu, b >= 0);
-    if (lane == 0) warp_misses[warp] = __popc(ballot);
+  for (int64_t c0 = 0; c0 < n_rs; c0 += CHUNK) {
+    int64_t b[PER_THREAD];
+    int mine = 0;
+#pragma unroll
+    for (int e = 0; e < PER_THREAD; ++e) {
+      b[e] = next[e];
+      mine += b[e] >= 0;
+    }
+    int before = mine;  // inclusive prefix of the misses over the warp's threads
+    for (int o = 1; o < 32; o *= 2) {
+      int x = __shfl_up_sync(0xffffffffu, before, o);
+      if (lane >= o) before += x;
+    }
+    if (lane == 31) warp_misses[warp] = before;
     if (threadIdx.x == 0) n_mine = 0;
     __syncthreads();
-    int64_t rank = seen + __popc(ballot & ((1u << lane) - 1)), total = 0;
+    int64_t rank = seen + before - mine, total = 0;  // this thread's first miss, over the whole list
     for (int w = 0; w < THREADS / 32; ++w) {
       rank += w < warp ? warp_misses[w] : 0;
       total += warp_misses[w];
     }
-    if (b >= 0 && rank % gridDim.x == blockIdx.x) {
-      int i = atomicAdd(&n_mine, 1);
-      mine_rs[i] = rs;
-      mine_b[i] = b;
+#pragma unroll
+    for (int e = 0; e < PER_THREAD; ++e) {
+      if (b[e] < 0) continue;
+      if (rank % gridDim.x == blockIdx.x) {
+        int64_t rs = c0 + e * THREADS + threadIdx.x;
+        int i = atomicAdd(&n_mine, 1);
+        mine_src[i] = (rs / k * cap + b[e]) * U16;
+        mine_dst[i] = (rs / k * n_slots + rs % k) * U16;
+      }
+      ++rank;
     }
     __syncthreads();
-    for (int i = 0; i < n_mine; ++i) copy(mine_rs[i], mine_b[i]);
+    load(c0 + CHUNK);
+    const unsigned n_words = n_mine * (unsigned)U16;  // < 2^31 (gather_units checks the unit size)
+    for (unsigned base = threadIdx.x; base < n_words; base += THREADS * UNROLL) {
+      int4 buf[UNROLL];
+      int64_t dst[UNROLL];
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        unsigned w = base + u * THREADS, i = w / (unsigned)U16;
+        if (w < n_words) {
+          buf[u] = host[mine_src[i] + (w - i * U16)];
+          dst[u] = mine_dst[i] + (w - i * U16);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u)
+        if (base + u * THREADS < n_words) pool[dst[u]] = buf[u];
+    }
     __syncthreads();  // the shared lists are rewritten by the next chunk
     seen += total;
   }
@@ -217,6 +252,7 @@ void gather_units(torch::Tensor host, torch::Tensor pool, torch::Tensor fetch, i
   int64_t R = host.size(0), cap = host.size(1), k = fetch.size(1), n_slots = pool.size(1);
   int64_t unit_bytes = host.numel() / (R * cap) * host.element_size();
   TORCH_CHECK(unit_bytes % 16 == 0, "uva_copy: a unit must be a multiple of 16 bytes");
+  TORCH_CHECK(unit_bytes / 16 * CHUNK < (1LL << 31), "uva_copy: units of at most 32 MiB");
   TORCH_CHECK(pool.size(0) == R && fetch.size(0) == R && n_slots >= k, "uva_copy: shapes disagree");
   TORCH_CHECK(pool.numel() / (R * n_slots) * pool.element_size() == unit_bytes, "uva_copy: unit sizes differ");
   if (R * k == 0) return;

@@ -194,16 +194,18 @@ def test_cuda_kernels_match_twins():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA kernels need a GPU")
 @pytest.mark.parametrize("ctas", [0, 1, 3, 16, 5000])
-def test_cuda_gather_with_few_blocks(ctas):
+@pytest.mark.parametrize("unit", [(2, 8, 32), (2, 64, 160)])  # 1 KiB: 32 units a round of loads; 40 KiB: 1.25 rounds
+def test_cuda_gather_with_few_blocks(ctas, unit):
     """The gather on fewer thread blocks than units shares out the misses of a mostly-hit fetch list
-    (several chunks of 256 entries): every miss copied once, nothing else written."""
+    (several chunks of 1024 entries), each block's misses copied as one stream of words: every miss
+    copied once, nothing else written."""
     ext = transfer._kernels("cuda")
-    R, k, cap, U = 40, 64, 300, (2, 8, 32)
-    host = torch.randn(R, cap, *U, dtype=torch.bfloat16).pin_memory()
+    R, k, cap = 40, 64, 300
+    host = torch.randn(R, cap, *unit, dtype=torch.bfloat16).pin_memory()
     for _ in range(2):
         fetch = torch.stack([torch.randperm(cap)[:k] for _ in range(R)])
         fetch[torch.rand(R, k) < 0.75] = -1  # hits
-        pool = torch.randn(R, k + 1, *U, dtype=torch.bfloat16)  # + the tail slot, never written
+        pool = torch.randn(R, k + 1, *unit, dtype=torch.bfloat16)  # + the tail slot, never written
         dev_pool = pool.cuda()
         transfer.gather_units_torch(host, pool, fetch)
         ext.gather_units(host, dev_pool, fetch.cuda(), ctas)
