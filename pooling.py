@@ -180,16 +180,17 @@ def _qscore1_blocks(S_IN, MX, SM, OUT, M, NB, NC, G: tl.constexpr, GP: tl.conste
                     NBT: tl.constexpr, R_SUB: tl.constexpr, P_OVER: tl.constexpr, PP: tl.constexpr):
     """Decode (T = 1), pass 2: program (row, block chunk) merges the softmax statistics of all chunks,
     forms P[m] = Σ_g softmax_m over the NBT * r sub-blocks of its NBT blocks (one contiguous tile)
-    and max-pools them to blocks; the p sub-blocks each block shares with the block before it are
-    read again, a small strided tile."""
+    and max-pools them to blocks. Block b is also overlapped by the last p sub-blocks of block b - 1:
+    their max is taken per block of the tile and shifted by one block; the first block's comes from
+    the p sub-blocks just before the tile."""
     r, cb = tl.program_id(0), tl.program_id(1)
     offs_g, offs_c = tl.arange(0, GP), tl.arange(0, NCP)
-    st = (r * NC + offs_c[None, :]) * GP + offs_g[:, None]  # (GP, NCP)
-    mx = tl.load(MX + st, mask=(offs_c < NC)[None, :], other=float("-inf"))
-    sm = tl.load(SM + st, mask=(offs_c < NC)[None, :], other=0.0)
-    m_g = tl.max(mx, 1)
+    st = (r * NC + offs_c[:, None]) * GP + offs_g[None, :]  # (NCP, GP), contiguous over the heads
+    mx = tl.load(MX + st, mask=(offs_c < NC)[:, None], other=float("-inf"))
+    sm = tl.load(SM + st, mask=(offs_c < NC)[:, None], other=0.0)
+    m_g = tl.max(mx, 0)
     m_g = tl.where(m_g == float("-inf"), 0.0, m_g)  # a head that sees nothing: P = 0
-    l_g = tl.sum(sm * tl.exp(mx - m_g[:, None]), 1)
+    l_g = tl.sum(sm * tl.exp(mx - m_g[None, :]), 0)
     l_g = tl.where(l_g > 0, l_g, 1.0)
     row = S_IN + (r * GP + offs_g) * M  # (GP,) each head's logits
     ok_g = (offs_g < G)[:, None]
@@ -197,14 +198,20 @@ def _qscore1_blocks(S_IN, MX, SM, OUT, M, NB, NC, G: tl.constexpr, GP: tl.conste
     m = cb * NBT * R_SUB + tl.arange(0, NBT * R_SUB)
     s = tl.load(row[:, None] + m[None, :], mask=ok_g & (m < M)[None, :], other=float("-inf"))  # (GP, NBT * r)
     P = tl.sum(tl.exp(s - m_g[:, None]) / l_g[:, None], 0)
-    own = tl.max(tl.reshape(tl.where(m < M, P, float("-inf")), (NBT, R_SUB)), 1)  # (NBT,)
-    # the last p sub-blocks of the block before: m = b * r - p ... b * r - 1
-    blk, j = cb * NBT + tl.arange(0, NBT), tl.arange(0, PP)
-    m = blk[:, None] * R_SUB - P_OVER + j[None, :]  # (NBT, PP)
-    ok = (j[None, :] < P_OVER) & (m >= 0) & (m < M)
-    s = tl.load(row[:, None, None] + m[None, :, :], mask=ok_g[:, :, None] & ok[None, :, :], other=float("-inf"))
-    P = tl.where(ok, tl.sum(tl.exp(s - m_g[:, None, None]) / l_g[:, None, None], 0), float("-inf"))
-    tl.store(OUT + r * NB + blk, tl.maximum(own, tl.max(P, 1)), mask=blk < NB)
+    P3 = tl.reshape(tl.where(m < M, P, float("-inf")), (NBT, R_SUB))
+    own = tl.max(P3, 1)  # (NBT,)
+    last = tl.max(tl.where(tl.arange(0, R_SUB)[None, :] >= R_SUB - P_OVER, P3, float("-inf")), 1)  # (NBT,)
+    # the p sub-blocks before the tile (the block before its first), then last shifted by one block
+    j = tl.arange(0, PP)
+    m = cb * NBT * R_SUB - P_OVER + j
+    ok = (j < P_OVER) & (m >= 0) & (m < M)
+    s = tl.load(row[:, None] + m[None, :], mask=ok_g & ok[None, :], other=float("-inf"))  # (GP, PP)
+    first = tl.max(tl.where(ok, tl.sum(tl.exp(s - m_g[:, None]) / l_g[:, None], 0), float("-inf")), 0)
+    i = tl.arange(0, NBT)
+    before = tl.max(tl.where(i[:, None] == i[None, :] + 1, last[None, :], float("-inf")), 1)  # last[i - 1]
+    before = tl.where(i == 0, first, before)
+    blk = cb * NBT + i
+    tl.store(OUT + r * NB + blk, tl.maximum(own, before), mask=blk < NB)
 
 
 def query_aware_scores_decode(q, K_sub, q_pos, nb, cfg, CM=128, NBT=64):
