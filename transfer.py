@@ -162,10 +162,11 @@ GATHER_CTAS = os.environ.get("NOSA_GATHER_CTAS")  # set: the gather's thread blo
 
 
 def gather_ctas(unit_bytes):
-    """Thread blocks for the gather: enough that ~256 KiB of loads are in flight (a block has at most
-    16 KiB: 256 threads x 4 x 16 bytes, fewer for smaller units), which keeps PCIe as busy as one block
-    per unit does (python -m bench gather), and no more, so the other SMs are free for the kernels of
-    a micro-batch running beside the gather (generate.GraphedDecode)."""
+    """Thread blocks for the gather: 16, and 256 KiB / unit for units under 16 KiB (64 for 4 KiB), the
+    fewest that kept PCIe as busy as one block per unit (python -m bench gather, with a kernel that
+    had one unit in flight per block; the current one keeps 32 KiB in flight whatever the unit, so
+    small units may need fewer: not measured). Few blocks leave the other SMs to the kernels of a
+    micro-batch running beside the gather (generate.GraphedDecode)."""
     return int(GATHER_CTAS) if GATHER_CTAS is not None else max(16, 2**18 // min(unit_bytes, 2**14))
 
 
