@@ -120,8 +120,19 @@ def core_list(E, cand, n):
 
 def join_core_list(ids, E_ids, b_new, E_new):
     """The eviction policy on the list: b_new (...,) a block that has just left the window (-1: none),
-    with score E_new, competes with the members; the best n stay, the one left out is evicted for good."""
-    return best_first(torch.cat([ids, b_new[..., None]], -1), torch.cat([E_ids, E_new[..., None]], -1), ids.shape[-1])
+    with score E_new, competes with the members; the best n stay, the one left out is evicted for good.
+    The list is best first, so this is an insertion: b_new takes the place of its rank (the members
+    with a higher E; it wins ties, being more recent than every member, which all left the window
+    before it), those after it move down one place and the last falls off.
+    ids, E_ids (..., n) -> (ids, E_ids) (..., n), as best_first orders them."""
+    b_new, E_new = b_new[..., None], E_new[..., None]
+    beats = (ids >= 0) & (E_ids > E_new)
+    rank = beats.sum(-1, keepdim=True)  # (..., 1); n: b_new is evicted at once
+    j = torch.arange(ids.shape[-1], device=ids.device)
+    src = (j - (j > rank).long()).expand_as(ids)  # after the rank, the entry one place up
+    here, join = j == rank, b_new >= 0
+    ids = torch.where(join, torch.where(here, b_new, ids.gather(-1, src)), ids)
+    return ids, torch.where(join, torch.where(here, E_new, E_ids.gather(-1, src)), E_ids)
 
 
 def core_picks(ids, taken, n_core, nb):
