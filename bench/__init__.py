@@ -13,8 +13,14 @@ Benchmarks, run on the GPU machine; every figure is a ratio against a limit meas
 One file per benchmark; the timing helpers and the machine's limits are here. Record results with
 their command in BENCHMARKS.md.
 """
+import os
 import statistics
 import time
+
+# torch.profiler leaves CUPTI attached after a profile unless told to tear it down, which is known
+# to slow what runs later in the process; a benchmark that profiles one system must not slow the
+# timings of the next
+os.environ.setdefault("TEARDOWN_CUPTI", "1")
 
 import torch
 from triton.testing import do_bench

@@ -96,9 +96,10 @@ def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, w
     prefill path, so the query-aware selection is random: hit rates are then the guaranteed bound's
     worst case, not a trained model's. With ckpts (train.py's tiny models: DIR/tiny-{nosa,full,infllmv2})
     the prompts are real text run through each trained model: real selections.
-    Per system: eager steps split by phase (weights, selection, transfer, attention: the profiler's
-    ranges), then the same step as a CUDA graph (generate.GraphedDecode); offloading systems once per
-    number of micro-batches asked for (their parts run side by side in the graph)."""
+    Per system: eager steps timed, then the same step as a CUDA graph (generate.GraphedDecode;
+    offloading systems once per number of micro-batches asked for, their parts side by side in the
+    graph), then eager steps under the profiler, split by phase (weights, selection, transfer,
+    attention: the profiler's ranges) and the gathers' time and bytes."""
     from dataclasses import replace
     from generate import GraphedDecode
     from kvcache import KVCache
@@ -165,16 +166,19 @@ def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, w
                 return (time.perf_counter() - t0) / n
 
             eager_s = timed(step, eager_steps)  # before: every kernel launched from Python
-            moved0 = cache.stats.moved.sum().item() if use_offload else 0
-            tok_, split, gather_ms = split_by_phase(step, tok_, eager_steps, cuda)
-            if use_offload:  # gather kernel time and bytes over the profiled steps
-                moved = (cache.stats.moved.sum().item() - moved0) * cache.stats.unit_bytes / eager_steps
             graphed = GraphedDecode(model, cache, mb)
             gstep = lambda t: graphed(t).argmax(-1)
             timed(gstep, warmup)  # warm-up, capture
             needed0, moved0 = ((cache.stats.needed.sum().item(), cache.stats.moved.sum().item()) if use_offload
                                else (0, 0))
             graph_s = timed(gstep, steps)  # after: one graph replay per step
+            if use_offload:  # over the graphed steps
+                moved1 = cache.stats.moved.sum().item()
+                hit_rate = 1 - (moved1 - moved0) / max(cache.stats.needed.sum().item() - needed0, 1)
+                moved0 = moved1
+            tok_, split, gather_ms = split_by_phase(step, tok_, eager_steps, cuda)  # last: bench/__init__.py
+            if use_offload:  # gather kernel time and bytes over the profiled steps
+                moved = (cache.stats.moved.sum().item() - moved0) * cache.stats.unit_bytes / eager_steps
         row.update(micro_batches=len(graphed.parts or [None]),  # fewer than asked when the batch is smaller
                    tokens_s=round(Bz / graph_s, 1), step_ms=round(graph_s * 1e3, 2),
                    eager_step_ms=round(eager_s * 1e3, 2),
@@ -183,11 +187,10 @@ def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, w
                    gpu_peak_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
                    act_mb=round((act0 + act1 * Bz) / 2**20, 1))
         if use_offload:
-            needed = cache.stats.needed.sum().item() - needed0
             # guaranteed resident, of the k - 1 selected non-tail blocks: nosa's k_e query-agnostic blocks
             # (the locality theorem), infllmv2's sinks and window
             resident = cfg.k_e if attn == "nosa" else cfg.n_sink + cfg.n_win
-            row.update(hit_rate=round(1 - (cache.stats.moved.sum().item() - moved0) / max(needed, 1), 3),
+            row.update(hit_rate=round(hit_rate, 3),
                        hit_rate_bound=round(resident / (cfg.k - 1), 3),
                        mb_per_step=round(moved / 1e6, 2), gather_ms=round(gather_ms, 3),
                        gather_blocks=transfer.gather_ctas(cache.stats.unit_bytes),
