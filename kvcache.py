@@ -17,6 +17,8 @@ SubBlockCache (the pooled caches).
 import copy
 
 import torch
+import triton
+import triton.language as tl
 from torch.profiler import record_function
 
 import decode
@@ -120,9 +122,17 @@ class SubBlockCache:
                          self.cfg, pooled)
 
 
-@fusion.fused
 def append_subblocks(ring_k, ring_c, K_sub, c_sub, core_ids, core_E, k, c, pos, cfg, pooled):
-    """SubBlockCache.append on one layer's buffers, in place (fused on a GPU)."""
+    """SubBlockCache.append on one layer's buffers, in place: one Triton kernel on a GPU, the torch
+    code (fused) elsewhere and in fp64."""
+    d = k.shape[-1]
+    if k.is_cuda and k.dtype != torch.float64 and d & (d - 1) == 0:
+        return append_subblocks_triton(ring_k, ring_c, K_sub, c_sub, core_ids, core_E, k, c, pos, cfg, pooled)
+    return append_subblocks_torch(ring_k, ring_c, K_sub, c_sub, core_ids, core_E, k, c, pos, cfg, pooled)
+
+
+@fusion.fused
+def append_subblocks_torch(ring_k, ring_c, K_sub, c_sub, core_ids, core_E, k, c, pos, cfg, pooled):
     rows = torch.arange(k.shape[0], device=k.device)
     ring_k[rows, :, pos % cfg.l_c] = k
     if c is not None:
@@ -152,6 +162,71 @@ def join_window_leaver(core_ids, core_E, c_sub, pos, cfg):
     core_ids.copy_(ids)
     core_E.copy_(E)
 
+
+
+@triton.jit
+def _append_kernel(RK, RC, KS, CS, IDS, ES, K, C, POS, M, H_kv: tl.constexpr, D: tl.constexpr, L_C: tl.constexpr,
+                   LP: tl.constexpr, S_C: tl.constexpr, B: tl.constexpr, N_SINK: tl.constexpr, N_WIN: tl.constexpr,
+                   R_SUB: tl.constexpr, P_OVER: tl.constexpr, RPP: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
+                   HAS_C: tl.constexpr, HAS_CORE: tl.constexpr, POOLED: tl.constexpr):
+    """Program r = one row (sequence, KV head) of append_subblocks_torch: ring (R, l_c, d), K̃ (R, M, d),
+    c̃ (R, M), list (R, N). Vectors over the ring (j), the head dim (dd) and the list (e); the scalars
+    of the row are broadcast to them where they gate a store (the interpreter needs vector masks)."""
+    r = tl.program_id(0)
+    p = tl.load(POS + r // H_kv)  # the new token's position
+    j, dd = tl.arange(0, LP), tl.arange(0, D)
+    slot = p % L_C
+    k_new = tl.load(K + r * D + dd)
+    if HAS_C:
+        c_new = tl.load(C + r)
+    if POOLED:  # the ring as it is after this token: its mean is the sub-block ending at p, if one does
+        start = p + 1 - L_C
+        m = tl.maximum(start, 0) // S_C
+        ring = tl.load(RK + (r * L_C + j)[:, None] * D + dd[None, :], mask=(j < L_C)[:, None], other=0.0)
+        ring = tl.where((j == slot)[:, None], k_new[None, :], ring).to(tl.float32)  # (LP, D)
+        sd = dd * 0 + start
+        tl.store(KS + (r * M + m) * D + dd, (tl.sum(ring, 0) / L_C).to(KS.dtype.element_ty),
+                 mask=(sd >= 0) & (sd % S_C == 0))
+        if HAS_C:
+            ring_c = tl.where(j == slot, c_new, tl.load(RC + r * L_C + j, mask=j < L_C, other=0.0))
+            sj = j * 0 + start
+            tl.store(CS + r * M + m + j * 0, tl.sum(ring_c, 0) / L_C + j * 0.0, mask=(j == 0) & (sj >= 0)
+                     & (sj % S_C == 0))
+    tl.store(RK + (r * L_C + slot) * D + dd, k_new)  # (the ring's old value there was never used)
+    if HAS_C:
+        tl.store(RC + r * L_C + slot + j * 0, c_new + j * 0.0, mask=j == 0)
+    if HAS_CORE:  # join_window_leaver: the block leaving the window goes in at its rank
+        b_new = p // B - N_WIN - 1
+        i = tl.arange(0, RPP)
+        m_ov = b_new * R_SUB - P_OVER + i  # eviction.block_score: the max of c̃ over its sub-blocks
+        E_new = tl.max(tl.load(CS + r * M + m_ov, mask=(i < R_SUB + P_OVER) & (m_ov >= 0) & (m_ov < M),
+                               other=float("-inf")), 0)
+        e = tl.arange(0, NP)
+        on, up = e < N, (e >= 1) & (e < N)
+        ids = tl.load(IDS + r * N + e, mask=on, other=-1)
+        E = tl.load(ES + r * N + e, mask=on, other=float("-inf"))
+        rank = tl.sum(((ids >= 0) & (E > E_new)).to(tl.int32), 0)  # it wins ties: the most recent
+        ids = tl.where(e == rank, b_new, tl.where(e > rank, tl.load(IDS + r * N + e - 1, mask=up, other=-1), ids))
+        E = tl.where(e == rank, E_new, tl.where(e > rank, tl.load(ES + r * N + e - 1, mask=up, other=0.0), E))
+        tl.debug_barrier()  # every entry read before any moves
+        pe = e * 0 + p
+        join = on & (pe % B == 0) & (pe // B - N_WIN - 1 >= N_SINK)
+        tl.store(IDS + r * N + e, ids, mask=join)
+        tl.store(ES + r * N + e, E, mask=join)
+
+
+def append_subblocks_triton(ring_k, ring_c, K_sub, c_sub, core_ids, core_E, k, c, pos, cfg, pooled):
+    """append_subblocks_torch as one kernel a layer, one program per row."""
+    Bz, H_kv, l_c, d = ring_k.shape
+    has_c, has_core = c is not None, core_ids is not None
+    n = core_ids.shape[-1] if has_core else 1
+    r, p = cfg.B // cfg.s_c, (cfg.l_c - 1) // cfg.s_c  # pooling.overlapping_subblocks
+    _append_kernel[(Bz * H_kv,)](
+        ring_k, ring_c if has_c else ring_k, K_sub, c_sub if has_c else K_sub, core_ids if has_core else ring_k,
+        core_E if has_core else ring_k, k.contiguous(), c.contiguous() if has_c else k, pos, K_sub.shape[2],
+        H_kv=H_kv, D=d, L_C=l_c, LP=triton.next_power_of_2(l_c), S_C=cfg.s_c, B=cfg.B, N_SINK=cfg.n_sink,
+        N_WIN=cfg.n_win, R_SUB=r, P_OVER=p, RPP=triton.next_power_of_2(r + p), N=n, NP=triton.next_power_of_2(n),
+        HAS_C=has_c, HAS_CORE=has_core, POOLED=pooled)
 
 class KVCache(Cache):
     """The whole cache on one device: K, V (Bz, H_kv, S, d) per layer, and what the mode needs besides:

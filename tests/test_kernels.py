@@ -164,10 +164,53 @@ def test_decode_score_kernel_matches_twin(G, d, preset, M_len, over):
     assert rel_err(got[finite], want[finite]) < FP32_TOL
 
 
+
+@pytest.mark.parametrize("attn", ["nosa", "infllmv2"])
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if DEV == "cuda" else []))
+def test_append_kernel_matches_twin(attn, dtype):
+    """A decode step's cache update (kvcache.append_subblocks), kernel against twin, step after step
+    from the same state: the ring, K̃ and c̃ as sub-blocks complete, and the eviction list as blocks
+    leave the window, with scores on a coarse grid so that a newcomer often ties with members."""
+    import eviction
+    from kvcache import SubBlockCache, append_subblocks_torch, append_subblocks_triton
+    from nosa import Config
+    cfg = Config.from_preset("tiny", attn=attn, max_seq_len=512)
+    Bz, H, d = 3, cfg.H_kv, cfg.head_dim
+    grid = lambda *shape: torch.randint(-2, 3, shape, device=DEV).float()  # ties in c̃ and E
+    caches = [SubBlockCache(cfg, Bz, DEV, dtype, 512) for _ in range(2)]
+    start = dict(ring_k=torch.randn(Bz, H, cfg.l_c, d, device=DEV), K_sub=torch.randn(Bz, H, 32, d, device=DEV),
+                 ring_c=grid(Bz, H, cfg.l_c), c_sub=grid(Bz, H, 32))
+    for s in caches:
+        for name, x in start.items():
+            getattr(s, name)[0][:, :, :x.shape[2]] = x
+    if cfg.eviction_head:
+        ids, E = eviction.core_list(grid(Bz, H, 6), torch.ones(Bz, H, 6, dtype=torch.bool, device=DEV),
+                                    caches[0].core_ids[0].shape[-1])
+        for s in caches:
+            s.core_ids[0].copy_(ids)
+            s.core_E[0].copy_(E)
+    pos = torch.tensor([97, 150, 255], device=DEV)  # sub-blocks and blocks complete at different steps per row
+    n_joins = 0
+    for step in range(70):
+        k = torch.randn(Bz, H, d, device=DEV, dtype=dtype)
+        c = grid(Bz, H) if cfg.eviction_head else None
+        before = caches[0].core_ids[0].clone() if cfg.eviction_head else None
+        for s, f in zip(caches, (append_subblocks_torch, append_subblocks_triton)):
+            core = (s.core_ids[0], s.core_E[0]) if cfg.eviction_head else (None, None)
+            f(s.ring_k[0], s.ring_c[0], s.K_sub[0], s.c_sub[0], *core, k, c, pos, cfg, True)
+        for name in ("ring_k", "K_sub") + (("ring_c", "c_sub", "core_ids", "core_E") if cfg.eviction_head else ()):
+            want, got = getattr(caches[0], name)[0], getattr(caches[1], name)[0]
+            assert torch.allclose(got.double(), want.double(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-6,
+                                  atol=1e-6), (step, name)
+        n_joins += int(cfg.eviction_head and not torch.equal(before, caches[0].core_ids[0]))
+        pos += 1
+    assert not cfg.eviction_head or n_joins >= 3  # the list did change, more than once
+
 def test_model_through_the_kernels(monkeypatch):
     """The whole system on the kernel path (compiled on a GPU, interpreted on CPU): the parallel
-    forward matches the twins, and decoding through the scoring, selection and decode kernels
-    (offloaded: the slot pool; resident) matches the parallel forward through the training kernels."""
+    forward matches the twins, and decoding through the scoring, selection, cache update and decode
+    kernels (offloaded: the slot pool; resident) matches the parallel forward through the training kernels."""
+    import kvcache
     from kvcache import KVCache
     import nosa
     import offload
@@ -185,6 +228,7 @@ def test_model_through_the_kernels(monkeypatch):
             pooling.query_aware_scores_decode if q.shape[2] == 1 else pooling.query_aware_scores_triton)(q, *a))
         monkeypatch.setattr(nosa, "select_step", nosa.select_step_triton)
         monkeypatch.setattr(offload, "needed_blocks", offload.needed_blocks_triton)
+        monkeypatch.setattr(kvcache, "append_subblocks", kvcache.append_subblocks_triton)
         par = model(idx)
         assert rel_err(par, ref) < FP32_TOL
         prompt_lens = [20, 70]
