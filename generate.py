@@ -162,10 +162,9 @@ class GraphedDecode:
     def side_by_side(self, tok):
         """The parts' steps, each on a stream of its own (forked from the current one and joined to
         it), recorded layer by layer in turn: their gathers take turns on PCIe in that order
-        (OffloadCache.turn), so one part's gather runs while the other computes."""
+        (OffloadCache.split), so one part's gather runs while the other computes."""
         main = torch.cuda.current_stream()
         streams = [torch.cuda.Stream() for _ in self.parts]
-        self.parts[0].turn[0] = None  # the first gather waits for none (nor for one outside the graph)
         steps = [self.model.decode_layers(t, p) for t, p in zip(tok.tensor_split(len(self.parts)), self.parts)]
         for s in streams:
             s.wait_stream(main)

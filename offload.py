@@ -259,7 +259,7 @@ class OffloadCache(Cache):
         self.c = [torch.zeros(Bz, H, max_len if cfg.eviction_head else 0, dtype=cdt, device=device) for _ in range(L)]
         self.sub = SubBlockCache(cfg, Bz, device, dtype, max_len)
         self.stats = Stats(L, R, unit, device)
-        self.part, self.turn = False, None  # micro-batches (split): views; the event of the last gather
+        self.part, self.pcie = False, None  # micro-batches (split): views; the stream of their gathers
 
     def _host_alloc(self, R, cap, dtype):
         cfg = self.cfg
@@ -310,7 +310,9 @@ class OffloadCache(Cache):
         batches whose decode steps can run side by side, one's gathers under the other's compute
         (generate.GraphedDecode). Only while every position is below capacity(): no buffer may grow."""
         parts, H = [], self.cfg.H_kv
-        turn = [None] if self.device.type == "cuda" else None  # the last gather any part recorded (its event)
+        # every part's gathers on one stream, in the order they were issued, at high priority: their thread
+        # blocks take the next free multiprocessors ahead of the other part's compute, so PCIe does not wait
+        pcie = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
         for seqs in torch.arange(self.Bz).tensor_split(n):
             a, b = int(seqs[0]), int(seqs[-1]) + 1
             part = copy.copy(self)
@@ -318,7 +320,7 @@ class OffloadCache(Cache):
             for name in ("host", "pool", "tail", "slot_block", "block_slot", "fetch", "fresh"):
                 setattr(part, name, [t[a * H:b * H] for t in getattr(self, name)])
             part.c = [t[a:b] for t in self.c]
-            part.sub, part.stats, part.part, part.turn = self.sub.rows(a, b), self.stats.rows(a * H, b * H), True, turn
+            part.sub, part.stats, part.part, part.pcie = self.sub.rows(a, b), self.stats.rows(a * H, b * H), True, pcie
             parts.append(part)
         return parts
 
@@ -351,12 +353,14 @@ class OffloadCache(Cache):
             s = self.stats
             count_moves(self.fetch[layer], n_need, self.fresh[layer], s.needed[layer], s.moved[layer], s.cold[layer],
                         s.stepped[layer], s.row_max)
-            if self.turn and self.turn[0] is not None:  # micro-batches: gathers take turns on PCIe
-                torch.cuda.current_stream().wait_event(self.turn[0])
-            transfer.gather_units(self.host[layer], self.pool[layer], self.fetch[layer])
-            if self.turn:
-                self.turn[0] = torch.cuda.Event()
-                self.turn[0].record()
+            if self.pcie is None:
+                transfer.gather_units(self.host[layer], self.pool[layer], self.fetch[layer])
+            else:  # micro-batches: the parts' gathers take turns on PCIe (split)
+                here = torch.cuda.current_stream()
+                self.pcie.wait_stream(here)
+                with torch.cuda.stream(self.pcie):
+                    transfer.gather_units(self.host[layer], self.pool[layer], self.fetch[layer])
+                here.wait_stream(self.pcie)
         with record_function("attention"):
             bias = eviction.attention_bias(self.c[layer], cfg.attn) if cfg.eviction_head else None
             o = decode.slot_attention(q, self.pool[layer], self.slot_block[layer], bias, self.len, B)
