@@ -163,7 +163,6 @@ def join_window_leaver(core_ids, core_E, c_sub, pos, cfg):
     core_E.copy_(E)
 
 
-
 @triton.jit
 def _append_kernel(RK, RC, KS, CS, IDS, ES, K, C, POS, M, H_kv: tl.constexpr, D: tl.constexpr, L_C: tl.constexpr,
                    LP: tl.constexpr, S_C: tl.constexpr, B: tl.constexpr, N_SINK: tl.constexpr, N_WIN: tl.constexpr,
@@ -227,6 +226,7 @@ def append_subblocks_triton(ring_k, ring_c, K_sub, c_sub, core_ids, core_E, k, c
         H_kv=H_kv, D=d, L_C=l_c, LP=triton.next_power_of_2(l_c), S_C=cfg.s_c, B=cfg.B, N_SINK=cfg.n_sink,
         N_WIN=cfg.n_win, R_SUB=r, P_OVER=p, RPP=triton.next_power_of_2(r + p), N=n, NP=triton.next_power_of_2(n),
         HAS_C=has_c, HAS_CORE=has_core, POOLED=pooled)
+
 
 class KVCache(Cache):
     """The whole cache on one device: K, V (Bz, H_kv, S, d) per layer, and what the mode needs besides:
