@@ -164,7 +164,6 @@ def test_decode_score_kernel_matches_twin(G, d, preset, M_len, over):
     assert rel_err(got[finite], want[finite]) < FP32_TOL
 
 
-
 @pytest.mark.parametrize("attn", ["nosa", "infllmv2"])
 @pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if DEV == "cuda" else []))
 def test_append_kernel_matches_twin(attn, dtype):
@@ -205,6 +204,7 @@ def test_append_kernel_matches_twin(attn, dtype):
         n_joins += int(cfg.eviction_head and not torch.equal(before, caches[0].core_ids[0]))
         pos += 1
     assert not cfg.eviction_head or n_joins >= 3  # the list did change, more than once
+
 
 def test_model_through_the_kernels(monkeypatch):
     """The whole system on the kernel path (compiled on a GPU, interpreted on CPU): the parallel
