@@ -147,8 +147,8 @@ def test_top_k_without_sort_equals_rank(data, nb, n):
 def test_select_step_kernel_equals_twin(cfg, data, attn):
     """A decode step's selection as one Triton kernel (interpreted on CPU) == the torch code, for random
     configs, every sparse mode, ragged positions (few blocks, and past them), Q with many ties, zeros,
-    -inf and values apart only in their lowest bits, and each row's list of its best candidates by E (at times Q's own order, so that Q
-    takes list members tied with its last pick)."""
+    -inf and values apart only in their lowest bits, and each row's list of its best candidates by E
+    (at times Q's own order, so that Q takes list members tied with its last pick)."""
     from dataclasses import replace
     cfg = replace(cfg, attn=attn)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
