@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch.nn.attention.bias import causal_lower_right
 
 from pooling import fp32
 
@@ -282,13 +283,13 @@ def use_triton(x, B):
 
 
 def sparse_attention(q, k, v, bias, block_mask, q_pos, cfg):
-    """Dispatch: Triton on CUDA tensors, the twin elsewhere; `full` mode (no mask) uses SDPA on CUDA."""
+    """Dispatch: Triton on CUDA tensors, the twin elsewhere. `full` mode (no mask) runs SDPA on CUDA:
+    the queries are the last T of the S positions (a whole sequence, or a prefill's chunk), so the
+    causal mask is the lower-right one, and flash attention applies without a mask tensor."""
     if not use_triton(q, cfg.B):
         return sparse_attention_torch(q, k, v, bias, block_mask, q_pos, cfg.B)
     if block_mask is None:
         T, S = q.shape[2], k.shape[2]
-        j = torch.arange(S, device=q.device)
-        causal = (j <= q_pos[..., None])[:, None]  # (Bz, 1, T, S)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal if T < S else None, is_causal=T == S,
-                                              enable_gqa=True)
+        causal = causal_lower_right(T, S) if T < S else None
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal, is_causal=T == S, enable_gqa=True)
     return SparseAttention.apply(q, k, v, bias, block_mask, q_pos, cfg.B, cfg.k)

@@ -12,12 +12,15 @@ end-of-sequence token, or after --max-new-tokens.
 import argparse
 import contextlib
 import os
+import sys
 import time
+from dataclasses import replace
 
 import torch
 
 import checkpoint
 import nosa
+import offload as nosi  # NOSI, the offloaded cache (`offload` is a flag here)
 from kvcache import KVCache
 from model import Transformer
 from nosa import Config
@@ -85,11 +88,13 @@ def sample(logits, temperature=0.0, top_k=None):
 
 
 @torch.no_grad()
-def generate(model, prompts, max_new_tokens, temperature=0.0, top_k=None, cache=None, eos_ids=(), on_token=None):
-    """Prompts: list of token lists (lengths may differ). Returns the new tokens of each. A sequence
-    ends at its first token in eos_ids (kept in its output); from then on it costs no transfers
-    (cache.finish), and the loop stops once every sequence has ended. on_token(tok) receives the
-    new tokens (Bz,) of every step, for streaming."""
+def generate(model, prompts, max_new_tokens, temperature=0.0, top_k=None, cache=None, eos_ids=(), on_token=None,
+             chunk=None, on_prefill=None, stream_on_host=False):
+    """Prompts: list of token lists (lengths may differ). Returns the new tokens of each. Each prompt
+    is prefilled in turn, `chunk` tokens at a time (model.Transformer.prefill; on_prefill(i, fraction)
+    after each of its layers), then all sequences decode together. A sequence ends at its first token
+    in eos_ids (kept in its output); from then on it costs no transfers (cache.finish), and the loop
+    stops once every sequence has ended. on_token(tok) receives the new tokens (Bz,) of every step."""
     if not prompts or max_new_tokens < 1:
         raise ValueError("give at least one prompt and max_new_tokens >= 1")
     model.check_length(max(len(p) for p in prompts), max_new_tokens)
@@ -100,14 +105,14 @@ def generate(model, prompts, max_new_tokens, temperature=0.0, top_k=None, cache=
     cache = cache or KVCache(model.cfg, len(prompts), dev, model.embed_tokens.weight.dtype, max_len)
     eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=dev)
     tok = torch.empty(len(prompts), dtype=torch.long, device=dev)
-    for i, p in enumerate(prompts):  # prefill one sequence at a time: lengths may differ
-        logits = model(torch.tensor([p], device=dev), cache, seq=i)
-        tok[i] = sample(logits[:, -1], temperature, top_k)[0]
+    for i, p in enumerate(prompts):
+        progress = (lambda f, i=i: on_prefill(i, f)) if on_prefill else None
+        logits = model.prefill(torch.tensor([p], device=dev), cache, i, chunk, progress, stream_on_host)  # (vocab,)
+        tok[i] = sample(logits[None], temperature, top_k)[0]
     out, done = [tok.clone()], torch.isin(tok, eos)  # (Bz,) ended
     on_token = on_token or (lambda tok: None)
     on_token(tok)
     # offload at a batch of 16 or more: two micro-batches, one's gathers under the other's compute
-    # (BENCHMARKS.md: 8b, 128K: batch 16 19.75 ms a step instead of 21.89; batch 27 25.8 ms instead of 32.3)
     decode = GraphedDecode(model, cache, 2 if hasattr(cache, "split") and cache.Bz >= 16 else 1)
     for step in range(max_new_tokens - 1):
         if eos.numel() and step % 8 == 0 and bool(done.all()):  # a host sync, so only every few steps
@@ -184,81 +189,149 @@ class GraphedDecode:
 
 def main(checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, prompt=DEFAULT_PROMPT, max_new_tokens=300, batch=1,
          temperature=0.8, top_k=50, offload=False, device=None, seed=1337, quiet=False, attn=None, chat=False,
-         profile=None):
+         profile=None, gpu_budget=None, host_budget=None, random=None, prompt_len=None, chunk=None):
     """Generate from one prompt or several (a ragged batch); returns the new tokens of each sequence.
     A single prompt's text is streamed as it is generated (unless quiet); every sequence stops at
     the checkpoint's end-of-sequence token. chat: wrap each prompt in the checkpoint's chat template.
     profile: write a trace of the timed generation there (open it in chrome://tracing or Perfetto);
-    the decode step marks its selection, transfer and attention as ranges."""
+    the decode step marks its selection, transfer and attention as ranges. gpu_budget, host_budget
+    (GiB): what the weights, the cache and the activations may take (offload.plan_memory), checked
+    before anything is allocated; the GPU's default is its free memory. random: no checkpoint, a
+    randomly initialised model of that preset (nosa.PRESETS). prompt_len: cycle each prompt's tokens
+    to that length. chunk: the prefill's chunk (default: the largest the budget allows)."""
     for name, value, least in (("--batch", batch, 1), ("--max-new-tokens", max_new_tokens, 1), ("--top-k", top_k, 0),
-                               ("--temperature", temperature, 0)):
+                               ("--temperature", temperature, 0), ("--prompt-len", prompt_len or 1, 1),
+                               ("--chunk", chunk or 1, 1), ("--gpu-budget", gpu_budget or 1, 1e-9),
+                               ("--host-budget", host_budget or 1, 1e-9)):
         if value < least:
             raise ValueError(f"{name} {value}: must be at least {least}")
     device = checkpoint.pick_device(device)
     torch.manual_seed(seed)
     overrides = {"attn": attn} if attn else {}
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if checkpoint_dir != checkpoint.DEFAULT_CHECKPOINT or os.path.isdir(checkpoint_dir):
+    if random:
+        if random not in nosa.PRESETS:
+            raise ValueError(f"--random {random}: choose a preset of {sorted(nosa.PRESETS)}")
+        tokenizer = checkpoint.byte_tokenizer()
+        cfg = Config.from_preset(random, **overrides)
+        model = random_model(cfg, device, dtype)
+    elif checkpoint_dir != checkpoint.DEFAULT_CHECKPOINT or os.path.isdir(checkpoint_dir):
         model, tokenizer = checkpoint.load(checkpoint_dir, device, dtype, **overrides)
     else:
         print(f"no checkpoint at {checkpoint_dir!r}: using a randomly initialised tiny model (expect noise)")
         tokenizer = checkpoint.byte_tokenizer()
-        model = Transformer(Config.from_preset("tiny", vocab_size=tokenizer.get_vocab_size(), **overrides))
-        model = model.to(device).eval()
-        model.eos_ids, model.chat_template, model.special_tokens = set(), None, {}  # what checkpoint.load reads
-    model.fuse_projections()  # a decode step: one matrix product for q, k, v, one for gate and up
+        model = random_model(Config.from_preset("tiny", vocab_size=tokenizer.get_vocab_size(), **overrides), device,
+                             dtype)
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)  # several prompts: a ragged batch
-    prompts = [prompts[i % len(prompts)] for i in range(max(batch, len(prompts)))]
-    batch = len(prompts)
     if chat:
-        if not getattr(model, "chat_template", None):
+        if not model.chat_template:
             raise ValueError(f"--chat: {checkpoint_dir} has no chat template (tokenizer_config.json); drop --chat")
         prompts = [chat_prompt(model.chat_template, p, model.special_tokens) for p in prompts]
     ids = [tokenizer.encode(p, add_special_tokens=not chat).ids for p in prompts]  # the template has them
     if not all(ids):
         raise ValueError("a prompt is empty after tokenisation; give some text with --prompt")
-    model.check_length(max(map(len, ids)), max_new_tokens)  # before any cache is allocated
-
-    def new_cache():
-        if not offload:
-            return None
-        import offload as nosi
-        return nosi.OffloadCache(model.cfg, batch, device, model.embed_tokens.weight.dtype,
-                                 max_len=max(map(len, ids)) + max_new_tokens)
-
-    if device.type == "cuda":  # warm-up: build uva_copy.cu and compile the kernels outside the timing
-        generate(model, ids, 2, temperature, top_k, cache=new_cache())
+    if prompt_len:
+        ids = [(p * (prompt_len // len(p) + 1))[:prompt_len] for p in ids]
+    n_prompts = len(ids)
+    batch = max(batch, n_prompts)
+    P, max_len = max(map(len, ids)), max(map(len, ids)) + max_new_tokens
+    if random:  # any length: the random model has no trained context
+        model.cfg = replace(model.cfg, max_seq_len=max(model.cfg.max_seq_len, max_len))
+    model.check_length(P, max_new_tokens)  # before any cache is allocated
+    if offload and model.cfg.attn == "full":
+        raise ValueError("--offload needs a sparse attention mode (nosa, infllmv2 or dma); full attention reads "
+                         "every block at every step")
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    gpu = gpu_budget * 2**30 if gpu_budget else (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_allocated(
+        device) if device.type == "cuda" else None)
+    host = host_budget * 2**30 if host_budget else (nosi.host_bytes_available() if offload else None)
+    chunk, on_host = nosi.plan_memory(model.cfg, weights, batch, P, max_len, dtype, gpu, host, offload, chunk)
+    model.fuse_projections()  # a decode step: one matrix product for q, k, v, one for gate and up
+    ids = [ids[i % n_prompts] for i in range(batch)]  # prompts are cycled over the batch
+    if offload:
+        cache = nosi.OffloadCache(model.cfg, batch, device, dtype, max_len=max_len, host_budget=host)
+    else:
+        cache = KVCache(model.cfg, batch, device, dtype, max_len)
+    if device.type == "cuda":  # warm-up on short prompts: build uva_copy.cu and compile the kernels
+        generate(model, [p[:64] for p in ids], 2, temperature, top_k, cache=cache, chunk=chunk)
         torch.cuda.synchronize()
-        torch.cuda.empty_cache()  # give the warm-up cache back before the budget check of the real one
-    cache = new_cache()
-    stream = Stream(tokenizer, model.eos_ids) if batch == 1 and not quiet else None
+        if offload:
+            cache.reset_stats()
+    stream = Stream(tokenizer, model.eos_ids) if batch == 1 and not quiet and not prompt_len else None
     if stream:
         print(prompts[0], end="", flush=True)
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
         [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])) if profile else None
+    progress = PrefillProgress([len(p) for p in ids], device, quiet)
     with prof or contextlib.nullcontext():
-        t0 = time.perf_counter()
         out = generate(model, ids, max_new_tokens, temperature, top_k, cache=cache, eos_ids=model.eos_ids,
-                       on_token=stream)
+                       on_token=stream, chunk=chunk, on_prefill=progress, stream_on_host=on_host)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
+        t_end = time.perf_counter()
     if prof:
         prof.export_chrome_trace(profile)
     if stream:
         print("\n---")
     elif not quiet:
         for i, seq in enumerate(out):
-            print(f"--- sample {i} ---\n{prompts[i]}{tokenizer.decode(seq)}")
+            print(f"--- sample {i} ---\n{prompts[i % n_prompts]}{tokenizer.decode(seq)}")
         print("---")
-    n_tok = sum(map(len, out))
-    print(f"tokens/sec: {n_tok / dt:.1f} ({n_tok} tokens in {dt:.2f} s, batch {batch}, prompts of {min(map(len, ids))}-{max(map(len, ids))} tokens, "
-          f"{model.cfg.attn}, {device})")
-    if cache is not None:
+    pre, ttft = progress.done[-1] - progress.t0, [t - progress.t0 for t in progress.done]
+    n_pre, n_tok = sum(map(len, ids)), sum(map(len, out)) - batch  # the first token of each comes with its prefill
+    print(f"prefill: {n_pre} tokens in {pre:.2f} s ({n_pre / pre:.0f} tokens/s, chunks of {chunk}"
+          f"{', the residual stream in host memory' if on_host else ''}); time to first "
+          f"token {ttft[0]:.2f} s" + (f" (the first prompt), {ttft[-1]:.2f} s (the last)" if batch > 1 else ""))
+    dt = t_end - progress.done[-1]
+    print(f"tokens/sec: {n_tok / dt:.1f} ({n_tok} tokens in {dt:.2f} s after the first, batch {batch}, prompts of "
+          f"{min(map(len, ids))}-{P} tokens, {model.cfg.attn}, {device})")
+    if offload:
         print(cache.stats.summary())
+    if device.type == "cuda":
+        print(f"GPU memory: {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB at the peak (weights "
+              f"{weights / 2**30:.2f} GiB)" + (f", budget {gpu / 2**30:.2f} GiB" if gpu_budget else ""))
     if prof:
         print(f"profile: {profile} (chrome://tracing or ui.perfetto.dev)")
     return out
+
+
+def random_model(cfg, device, dtype):
+    """A randomly initialised model, made where it runs and in its dtype (an 8B one takes 16 GB)."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Transformer(cfg)
+    finally:
+        torch.set_default_dtype(default)
+    model.eos_ids, model.chat_template, model.special_tokens = set(), None, {}  # what checkpoint.load reads
+    return model.eval()
+
+
+class PrefillProgress:
+    """on_prefill for generate: when each prompt's prefill ended (done, host clock, the device
+    synchronised), and a line on stderr every few seconds of a long prefill: tokens done, tokens/s
+    and the time left (unless quiet)."""
+
+    def __init__(self, lens, device, quiet, every=3.0):
+        self.lens, self.device, self.quiet, self.every = lens, device, quiet, every
+        self.t0 = self.shown = time.perf_counter()
+        self.done = []
+
+    def __call__(self, i, fraction):
+        if fraction < 1 and self.quiet:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        if fraction == 1:
+            self.done.append(now)
+        if not self.quiet and now - self.shown >= self.every:
+            self.shown = now
+            n = sum(self.lens[:i]) + fraction * self.lens[i]
+            rate, total = n / (now - self.t0), sum(self.lens)
+            print(f"prefill: {n:.0f} of {total} tokens (prompt {i + 1} of {len(self.lens)}), {rate:.0f} tokens/s, "
+                  f"{(total - n) / rate:.0f} s left", file=sys.stderr, flush=True)
 
 
 class Stream:
@@ -324,6 +397,14 @@ def cli(argv=None):
     p.add_argument("--profile", metavar="TRACE.json", help="write a profiler trace of the generation")
     p.add_argument("--attn", choices=nosa.MODES,
                    help="override the checkpoint's attention mode (e.g. infllmv2: training-free sparse decoding)")
+    p.add_argument("--gpu-budget", type=float, metavar="GiB",
+                   help="GPU memory for weights, cache and activations (default: what is free)")
+    p.add_argument("--host-budget", type=float, metavar="GiB",
+                   help="host memory for the offloaded KV store (default: what the OS reports available)")
+    p.add_argument("--random", metavar="PRESET", help="no checkpoint: a randomly initialised model of this preset "
+                                                      f"({', '.join(sorted(nosa.PRESETS))}), to try budgets and speed")
+    p.add_argument("--prompt-len", type=int, metavar="N", help="repeat each prompt's tokens to N tokens")
+    p.add_argument("--chunk", type=int, help="prefill chunk in tokens (default: the largest the budget allows)")
     a = p.parse_args(argv)
 
     def run():
@@ -331,7 +412,8 @@ def cli(argv=None):
             torch.set_num_threads(1)  # thread is as fast as two, and does not collapse when the cores are busy
         prompt = (a.prompt or []) + [read_prompt(f) for f in a.prompt_file or []] or DEFAULT_PROMPT
         return main(a.checkpoint, prompt, a.max_new_tokens, a.batch, a.temperature, a.top_k, a.offload, a.device,
-                    a.seed, a.quiet, a.attn, a.chat, a.profile)
+                    a.seed, a.quiet, a.attn, a.chat, a.profile, a.gpu_budget, a.host_budget, a.random, a.prompt_len,
+                    a.chunk)
 
     return checkpoint.run_cli(run)
 

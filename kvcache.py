@@ -58,6 +58,41 @@ def grow(t, n, dim):
     return torch.cat([t, t.new_zeros(shape)], dim)
 
 
+class PromptLayer:
+    """One layer's keys, values and eviction scores of one prompt as a chunked prefill writes them
+    (model.Transformer.prefill), with the pooled caches K̃, c̃ of what is written so far, kept up to
+    date a chunk at a time. Once the layer has read the whole prompt the cache takes them (prefill)."""
+
+    def __init__(self, cfg, T, device, dtype, with_c):
+        H, d, M = cfg.H_kv, cfg.head_dim, pooling.n_subblocks(T, cfg)
+        cdt = torch.promote_types(dtype, torch.float32)  # c and its pools stay in fp32 (or fp64)
+        self.cfg = cfg
+        self.k = torch.empty(1, H, T, d, device=device, dtype=dtype)
+        self.v = torch.empty_like(self.k)
+        self.c = torch.empty(1, H, T, device=device, dtype=cdt) if with_c else None
+        self.K_sub = torch.empty(1, H, M, d, device=device, dtype=dtype) if cfg.sparse else None
+        self.c_sub = torch.empty(1, H, M, device=device, dtype=cdt) if cfg.sparse and with_c else None
+
+    def write(self, start, k, v, c):
+        """A chunk's k, v (1, H_kv, C, d) and c (1, H_kv, C) or None at positions start .. e-1 ->
+        the keys so far: k, v, c of positions 0 .. e-1 (views) and their pooled caches (K̃, c̃)."""
+        cfg, e = self.cfg, start + k.shape[2]
+        self.k[:, :, start:e], self.v[:, :, start:e] = k, v
+        if c is not None:
+            self.c[:, :, start:e] = c
+        if not cfg.sparse:
+            return self.k[:, :, :e], self.v[:, :, :e], None, None
+        m0, m1 = pooling.n_subblocks(start, cfg), pooling.n_subblocks(e, cfg)  # the sub-blocks it completes
+        if m1 > m0:
+            t0 = m0 * cfg.s_c  # the first token of sub-block m0, at or before start
+            self.K_sub[:, :, m0:m1] = pooling.compress_keys(self.k[:, :, t0:e], cfg)
+            if c is not None:
+                self.c_sub[:, :, m0:m1] = pooling.pool_mean(self.c[:, :, t0:e], cfg)
+        c_sub = None if c is None else self.c_sub[:, :, :m1]
+        return self.k[:, :, :e], self.v[:, :, :e], None if c is None else self.c[:, :, :e], (self.K_sub[:, :, :m1],
+                                                                                              c_sub)
+
+
 class SubBlockCache:
     """Per layer: the pooled caches K̃ (Bz, H_kv, M, d) and c̃ (Bz, H_kv, M), kept up to date
     one token at a time from a ring of the last l_c keys and scores. Both caches use it."""

@@ -21,6 +21,7 @@ import eviction
 import fusion
 import nosa
 import pooling
+from kvcache import PromptLayer
 
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
@@ -97,13 +98,16 @@ class Attention(nn.Module):
         c = eviction.eviction_score(v, self.A, self.delta.weight) if cfg.eviction_head else None  # (Bz, H_kv, T)
         return q, k, v, c
 
-    def forward(self, x, layer, rope, cache=None, seq=None):
-        """Parallel forward from position 0; with a cache, also write sequence `seq` into it (prefill)."""
+    def forward(self, x, rope, prompt=None, start=0):
+        """x (Bz, T, dim) at positions start .. start+T-1 -> (Bz, T, dim). Training: a whole sequence
+        (start = 0). A prefill's chunk: prompt (kvcache.PromptLayer) holds this layer's keys of the
+        earlier chunks and takes this one's, and the chunk attends over all of them."""
         Bz, T, _ = x.shape
         q, k, v, c = self.qkvc(x, rope)
-        o, _ = nosa.nosa_attention(q, k, v, c, self.cfg)  # (Bz, H_q, T, d)
-        if cache is not None:  # prefill: one sequence (Bz = 1) into row `seq` of the cache
-            cache.prefill(layer, seq, k[0], v[0], None if c is None else c[0])
+        pooled = None
+        if prompt is not None:
+            k, v, c, pooled = prompt.write(start, k, v, c)
+        o, _ = nosa.nosa_attention(q, k, v, c, self.cfg, start, pooled)  # (Bz, H_q, T, d)
         return self.o_proj(o.transpose(1, 2).reshape(Bz, T, -1))
 
     def decode(self, q, k, v, c, layer, cache):
@@ -172,8 +176,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, layer, rope, cache=None, seq=None):
-        x = x + self.self_attn(self.input_layernorm(x), layer, rope, cache, seq)
+    def forward(self, x, rope, prompt=None, start=0):
+        x = x + self.self_attn(self.input_layernorm(x), rope, prompt, start)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def decode(self, x, layer, rope, cache):
@@ -235,19 +239,43 @@ class Transformer(nn.Module):
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, mean=0.0, std=getattr(m, "init_std", 0.02))
 
-    def forward(self, idx, cache=None, seq=None):
-        """Parallel forward: idx (Bz, T) from position 0 -> logits (Bz, T, vocab).
-        With a cache, idx is one sequence (Bz = 1) written into cache row `seq` (prefill)."""
-        if cache is not None and idx.shape[0] != 1:
-            raise ValueError("prefill writes one sequence at a time: idx (1, T) into cache row `seq`")
-        if idx.shape[1] > self.cfg.max_seq_len:
-            raise ValueError(f"sequence of {idx.shape[1]} tokens is longer than max_seq_len={self.cfg.max_seq_len}")
-        x = self.embed_tokens(idx)
+    def forward(self, idx):
+        """Parallel (training) forward: idx (Bz, T) from position 0 -> logits (Bz, T, vocab)."""
         Bz, T = idx.shape
+        if T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence of {T} tokens is longer than max_seq_len={self.cfg.max_seq_len}")
+        x = self.embed_tokens(idx)
         rope = self.rope(torch.arange(T, device=idx.device).expand(Bz, T), x.dtype)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, i, rope, cache, seq)
+        for layer in self.layers:
+            x = layer(x, rope)
         return self.lm_head(self.norm(x))
+
+    @torch.no_grad()
+    def prefill(self, idx, cache, seq, chunk=None, progress=None, stream_on_host=False):
+        """A prompt idx (1, T) into row `seq` of the cache -> the logits of its last position (vocab,).
+
+        Layer by layer, `chunk` tokens at a time (default: all): each chunk's queries select and attend
+        exactly as the parallel forward's would, over the keys of this and the earlier chunks; when a
+        layer has read the whole prompt, its keys, values and eviction scores go to the cache. So the
+        memory beyond the cache is the prompt's residual stream (T, dim), one layer's K, V and c, and
+        one chunk's activations (offload.prefill_bytes), never the logits of every position.
+        stream_on_host: keep the residual stream in pinned host memory, a chunk at a time on the GPU
+        (for a budget where it does not fit beside the cache). progress(fraction) after each layer."""
+        T, dev = idx.shape[1], idx.device
+        self.check_length(T, 0)
+        C, dtype = chunk or T, self.embed_tokens.weight.dtype
+        on_host = stream_on_host and dev.type == "cuda"
+        x = torch.empty(1, T, self.cfg.dim, dtype=dtype, device="cpu" if on_host else dev, pin_memory=on_host)
+        prompt = PromptLayer(self.cfg, T, dev, dtype, self.cfg.eviction_head)  # reused by every layer
+        for i, layer in enumerate(self.layers):
+            for s in range(0, T, C):
+                pos = torch.arange(s, min(s + C, T), device=dev)[None]
+                h = self.embed_tokens(idx[:, s:s + C]) if i == 0 else x[:, s:s + C].to(dev, non_blocking=True)
+                x[:, s:s + C].copy_(layer(h, self.rope(pos, dtype), prompt, s), non_blocking=True)
+            cache.prefill(i, seq, prompt.k[0], prompt.v[0], None if prompt.c is None else prompt.c[0])
+            if progress:
+                progress((i + 1) / len(self.layers))
+        return self.lm_head(self.norm(x[:, -1].to(dev)))[0]
 
     def decode(self, tok, cache):
         """One step: tok (Bz,) the next token of every sequence -> logits (Bz, vocab)."""

@@ -152,6 +152,8 @@ PRESETS = {
     # training sequence; same ratios as the paper (k_e / k = 0.75).
     "tiny": dict(),
 }
+# the paper's sparsity on an 8B-scale Llama shape (Llama 3 8B's widths; 2 KV heads, as the paper's 8B model)
+PRESETS["paper-8b"] = dict(PRESETS["paper"], n_layer=32, dim=4096, H_q=32, H_kv=2, head_dim=128, hidden_dim=14336)
 
 
 # -----------------------------------------------------------------------------
@@ -196,6 +198,9 @@ def core_mask(E, q_pos, cfg):
     return eviction.core_blocks(E.unsqueeze(-2).expand(*cand.shape), cand, cfg.n_core)
 
 
+SELECT_ROWS = 2048  # queries scored and selected at a time: the temporaries are (SELECT_ROWS, nb), whatever T
+
+
 def select(q, K_sub, c_sub, q_pos, nb, cfg, core_ids=None):
     """Score, then select: the one path from the pooled caches to Γ(t), shared by the parallel forward
     (training, prefill) and decoding, so both pick exactly the same blocks.
@@ -205,6 +210,9 @@ def select(q, K_sub, c_sub, q_pos, nb, cfg, core_ids=None):
     A decode step (T = 1) passes instead of c̃ each row's list of its best candidates by E, kept by
     the eviction policy (core_ids (Bz, H_kv, n), kvcache.SubBlockCache), or None without E.
     Returns the block mask (Bz, H_kv, T, nb)."""
+    if q.shape[2] > SELECT_ROWS:
+        return torch.cat([select(q[:, :, t:t + SELECT_ROWS], K_sub, c_sub, q_pos[:, t:t + SELECT_ROWS], nb, cfg)
+                          for t in range(0, q.shape[2], SELECT_ROWS)], 2)
     Q = pooling.query_aware_scores(q, K_sub, q_pos, nb, cfg)  # (Bz, H_kv, T, nb)
     if q.shape[2] == 1 and (core_ids is not None or c_sub is None):
         return select_step(Q, core_ids, q_pos, cfg)
@@ -302,17 +310,23 @@ def select_step_triton(Q, core_ids, q_pos, cfg):
     return out.view(torch.bool)
 
 
-def nosa_attention(q, k, v, c, cfg):
-    """Training / prefill forward of one attention layer over a whole sequence from position 0.
+def nosa_attention(q, k, v, c, cfg, start=0, pooled=None):
+    """One attention layer for the queries at positions start .. start+T-1 over the keys 0 .. S-1,
+    S = start + T: the training forward (start = 0, the whole sequence) and one chunk of a prefill
+    (model.Transformer.prefill), which selects and attends exactly as the whole forward would.
 
-    q: (Bz, H_q, T, d), k, v: (Bz, H_kv, T, d) with RoPE applied, c: (Bz, H_kv, T) eviction scores
-    (None in `full` and `infllmv2` modes). Returns the output (Bz, H_q, T, d) and the block mask."""
+    q: (Bz, H_q, T, d), k, v: (Bz, H_kv, S, d) with RoPE applied, c: (Bz, H_kv, S) eviction scores
+    (None in `full` and `infllmv2` modes). pooled: (K̃, c̃) of those keys where the caller keeps them
+    (a prefill's chunks), else pooled here. Returns the output (Bz, H_q, T, d) and the block mask."""
     Bz, _, T, _ = q.shape
-    q_pos = torch.arange(T, device=q.device).expand(Bz, T)
+    S = k.shape[2]
+    q_pos = torch.arange(start, start + T, device=q.device).expand(Bz, T)
     if cfg.attn == "full":
         return attention.sparse_attention(q, k, v, None, None, q_pos, cfg), None
     with torch.no_grad():
-        c_sub = None if c is None else pooling.pool_mean(c, cfg)
-        block_mask = select(q, pooling.compress_keys(k, cfg), c_sub, q_pos, pooling.n_blocks(T, cfg), cfg)
+        if pooled is None:
+            pooled = pooling.compress_keys(k, cfg), None if c is None else pooling.pool_mean(c, cfg)
+        K_sub, c_sub = pooled
+        block_mask = select(q, K_sub, None if c is None else c_sub, q_pos, pooling.n_blocks(S, cfg), cfg)
     bias = None if c is None else eviction.attention_bias(c, cfg.attn)
     return attention.sparse_attention(q, k, v, bias, block_mask, q_pos, cfg), block_mask

@@ -39,6 +39,7 @@ from torch.profiler import record_function
 import decode
 import eviction
 import fusion
+import nosa
 import transfer
 from kvcache import Cache, SubBlockCache, grow
 
@@ -190,6 +191,73 @@ def max_batch(cfg, max_len, dtype, gpu_budget, host_budget=None, offload=True, l
     return lo
 
 
+PREFILL_CHUNKS = (8192, 4096, 2048, 1024, 512, 256)  # the chunk sizes a prefill may take, largest first
+
+
+def prefill_bytes(cfg, T, C, dtype, stream_on_host=False):
+    """GPU bytes a chunked prefill of a T-token prompt needs beyond the weights and the cache
+    (model.Transformer.prefill), C tokens a chunk: the prompt's residual stream (T, dim) unless it is
+    kept in host memory, one layer's K, V, c and pooled caches and a copy of them (the attention kernel
+    reads the keys so far contiguous; the cache's prefill stacks K and V), and the largest of one
+    chunk's activations: RoPE in fp32, scoring and selection (nosa.SELECT_ROWS queries at a time,
+    over nb blocks), the MLP. A bound checked against the measured peak on the GPU."""
+    H, H_q, d, dim = cfg.H_kv, cfg.H_q, cfg.head_dim, cfg.dim
+    elt, C = torch.empty((), dtype=dtype).element_size(), min(C, T)
+    nb = math.ceil(T / cfg.B)
+    whole = (0 if stream_on_host else T * dim * elt) + 2 * H * T * (2 * d * elt + 4) + H * (T // cfg.s_c + 1) * (
+        d * elt + 4)
+    live = 2 * (H_q + 2 * H) * d * elt + 4 * dim * elt + (H * nb * 6 if cfg.sparse else 0)  # q, k, v; Q, masks
+    select = min(C, nosa.SELECT_ROWS) * H * nb * 48 if cfg.sparse else 0
+    peak = max(16 * H_q * d, 4 * cfg.hidden_dim * elt + dim * (8 + 2 * elt)) * C
+    return whole + C * live + max(select, peak) + 2**27  # and 128 MiB for workspaces
+
+
+def decode_bytes(cfg, Bz, max_len, dtype):
+    """GPU bytes a decode step needs beyond the weights and the cache, its activations (a bound
+    checked against the step's measured peak on the GPU): per sequence the scores of the compressed
+    keys and of the blocks, the logits, the MLP; two micro-batches' worth, and 512 MiB besides."""
+    elt, M, nb = torch.empty((), dtype=dtype).element_size(), max_len // cfg.s_c + 1, math.ceil(max_len / cfg.B)
+    per_seq = cfg.H_kv * (16 * M * 4 + nb * 16) + cfg.vocab_size * 8 + 4 * cfg.hidden_dim * elt + 8 * cfg.dim * 4
+    return 2**29 + 2 * Bz * per_seq
+
+
+def plan_memory(cfg, weights, Bz, prompt_len, max_len, dtype, gpu_budget=None, host_budget=None, offload=True,
+                chunk=None):
+    """Check a generation against the memory budgets before anything is allocated: the weights, the
+    cache of Bz sequences of up to max_len tokens (cache_bytes), and the larger of a prefill's working
+    memory (prompts of up to prompt_len tokens) and a decode step's. Returns the prefill's chunk
+    (`chunk`, or the largest of PREFILL_CHUNKS that fits) and whether the prompt's residual stream
+    must wait in host memory (when it does not fit on the GPU beside the cache). A budget that does
+    not fit is a MemoryError that says what does."""
+    def gib(n):
+        return f"{n / 2**30:.2f} GiB"
+
+    need_gpu, need_host = cache_bytes(cfg, Bz, max_len, dtype, offload)
+    if host_budget is not None and need_host > host_budget:
+        n = max_batch(cfg, max_len, dtype, None, host_budget, offload)
+        raise MemoryError(f"the host KV store needs {gib(need_host)} for batch {Bz} x {max_len} tokens, but "
+                          f"{gib(host_budget)} is available: at most {n} sequences of that length fit")
+    chunks = [chunk] if chunk else [c for c in PREFILL_CHUNKS if c < prompt_len] or [prompt_len]
+    if gpu_budget is None:
+        return chunks[0], False
+    room = gpu_budget - weights - need_gpu
+    if room >= decode_bytes(cfg, Bz, max_len, dtype):
+        for c in chunks:  # large chunks first (fewer, larger matrix products), then the residual stream on the GPU
+            for on_host in (False, True):
+                if prefill_bytes(cfg, prompt_len, c, dtype, on_host) <= room:
+                    return c, on_host
+    least = prefill_bytes(cfg, prompt_len, min(chunks), dtype, True)
+    n = 0
+    while n < Bz and weights + cache_bytes(cfg, n + 1, max_len, dtype, offload)[0] + max(
+            least, decode_bytes(cfg, n + 1, max_len, dtype)) <= gpu_budget:
+        n += 1
+    raise MemoryError(f"a GPU budget of {gib(gpu_budget)} does not fit: the weights take {gib(weights)}, the cache of "
+                      f"batch {Bz} x {max_len} tokens {gib(need_gpu)}, which leaves {gib(room)} where a prefill of "
+                      f"{prompt_len} tokens needs {gib(least)} (chunks of {min(chunks)}) and a decode step "
+                      f"{gib(decode_bytes(cfg, Bz, max_len, dtype))}: "
+                      + (f"at most {n} sequences fit" if n else "not even one sequence fits; raise the budget"))
+
+
 def host_bytes_available():
     """What the host store may take by default: the memory the OS reports available, less a margin
     for the process itself (a tenth of it, at least 4 GiB, at most half). On the H200 machine 120 of
@@ -300,6 +368,9 @@ class OffloadCache(Cache):
         self.sub.prefill(layer, seq, k, c)
         if layer == cfg.n_layer - 1:
             self.set_length(seq, T)
+
+    def reset_stats(self):  # count from here on (generate.py: after its warm-up)
+        self.stats = Stats(self.cfg.n_layer, self.Bz * self.cfg.H_kv, self.stats.unit_bytes, self.device)
 
     def finish(self, done):
         """done (Bz,): sequences that ended. Their rows stop selecting blocks, so they move nothing."""

@@ -9,6 +9,7 @@ Benchmarks, run on the GPU machine; every figure is a ratio against a limit meas
     python -m bench eviction [--checkpoint DIR] # does E choose the blocks attention goes to? (CPU)
     python -m bench throughput --shape 8b --prompt-len 32768 --budget-gb 24   # decode at a fixed GPU budget
     python -m bench throughput --trained --prompt-len 8192                     # the same, trained tiny models
+    python -m bench requests --shape 8b --prompt-len 131072 --budget-gb 24    # whole requests: prefill + decode
 
 One file per benchmark; the timing helpers and the machine's limits are here. Record results with
 their command in BENCHMARKS.md.

@@ -7,6 +7,7 @@ import torch
 
 import checkpoint
 from bench import eviction, gather, kernels, quality
+from bench import requests as requests_
 from bench import throughput as throughput_
 
 
@@ -16,6 +17,8 @@ def main(what, json_path=None, ckpts=os.path.join(checkpoint.ROOT, "out"), train
         rows = quality.bench_quality(ckpts, systems or tuple(quality.SYSTEMS), judge, gen_len)
     elif what == "eviction":
         rows = eviction.bench_eviction(checkpoint_dir)
+    elif what == "requests":
+        rows = requests_.bench_requests(**throughput, systems=systems or ("nosa-offload", "full", "infllmv2-offload"))
     elif what == "throughput":
         rows = throughput_.bench_throughput(**throughput, systems=systems or throughput_.SYSTEMS,
                                             ckpts=ckpts if trained else None)
@@ -36,7 +39,8 @@ def main(what, json_path=None, ckpts=os.path.join(checkpoint.ROOT, "out"), train
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(prog="python -m bench", description="NOSA / NOSI benchmarks (GPU)")
-    p.add_argument("what", choices=["gather", "prefill", "decode", "sdpa", "quality", "eviction", "throughput"],
+    p.add_argument("what", choices=["gather", "prefill", "decode", "sdpa", "quality", "eviction", "throughput",
+                                    "requests"],
                    help="which benchmark")
     p.add_argument("--json", help="also write the rows to this file")
     p.add_argument("--ckpts", default=os.path.join(checkpoint.ROOT, "out"),
@@ -55,6 +59,8 @@ if __name__ == "__main__":
     p.add_argument("--trained", action="store_true", help="throughput: the trained models in --ckpts, real prompts")
     p.add_argument("--systems", help=f"throughput: some of {','.join(throughput_.SYSTEMS)} (default: all); "
                                      f"quality: some of {','.join(quality.SYSTEMS)} (default: all)")
+    p.add_argument("--new-tokens", default="1024,8192", help="requests: tokens generated per request, e.g. 1024,8192")
+    p.add_argument("--requests", type=int, default=28, help="requests: how many")
     p.add_argument("--judge", help="quality: the model that scores the generations (default: CKPTS/tiny-full)")
     p.add_argument("--gen-len", type=int, default=1024, help="quality: tokens generated (and teacher-forced window)")
     a = p.parse_args()
@@ -62,5 +68,8 @@ if __name__ == "__main__":
               batch_limit=a.max_batch,
               trained=a.trained, micro_batches=tuple(int(m) for m in a.micro_batches.split(","))
               ) if a.what == "throughput" else {}
+    if a.what == "requests":
+        kw = dict(shape=a.shape, prompt_len=a.prompt_len, budget_gb=a.budget_gb, steps=a.steps, host_gb=a.host_gb,
+                  requests=a.requests, new_tokens=tuple(int(g) for g in a.new_tokens.split(",")))
     checkpoint.run_cli(main, a.what, a.json, a.ckpts, checkpoint_dir=a.checkpoint, judge=a.judge, gen_len=a.gen_len,
                        systems=a.systems.split(",") if a.systems else None, **kw)

@@ -11,11 +11,7 @@ from bench.quality import trained_path
 from nosa import Config
 
 
-SHAPES = {  # random-weight model shapes for the throughput benchmark
-    "tiny": ("tiny", {}),
-    "1b": ("paper", {}),
-    "8b": ("paper", dict(n_layer=32, dim=4096, H_q=32, H_kv=2, head_dim=128, hidden_dim=14336)),
-}
+SHAPES = {"tiny": ("tiny", {}), "1b": ("paper", {}), "8b": ("paper-8b", {})}  # random-weight models: nosa.PRESETS
 PHASES = ("weights", "selection", "transfer", "attention")
 
 
@@ -41,9 +37,10 @@ def split_by_phase(step, tok, n, cuda):
     return tok, ms, gather
 
 
-def fill_random(cache, cfg, Bz, prompt_len, dev, dtype):
-    """Prompts of random K, V and c through the prefill path, as if the model had read them."""
-    for seq in range(Bz):
+def fill_random(cache, cfg, Bz, prompt_len, dev, dtype, first=0):
+    """Prompts of random K, V and c in rows first .. Bz-1, through the cache's prefill, as if the model
+    had read them."""
+    for seq in range(first, Bz):
         for layer in range(cfg.n_layer):
             k, v = torch.randn(2, cfg.H_kv, prompt_len, cfg.head_dim, device=dev, dtype=dtype)
             c = torch.randn(cfg.H_kv, prompt_len, device=dev) if cfg.eviction_head else None
@@ -146,7 +143,7 @@ def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, w
                 torch.cuda.reset_peak_memory_stats()
             if ckpts:
                 for seq, p in enumerate(prompts[:Bz]):
-                    model(torch.tensor([p], device=dev), cache, seq=seq)
+                    model.prefill(torch.tensor([p], device=dev), cache, seq)
             else:
                 fill_random(cache, cfg, Bz, prompt_len, dev, dtype)
             tok_ = torch.randint(0, cfg.vocab_size, (Bz,), device=dev)

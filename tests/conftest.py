@@ -38,15 +38,16 @@ def make_model(attn, dtype, **kw):
     return model
 
 
-def decode_logits(model, idx, prompt_lens, cache=None, graphed=False, micro_batches=1):
+def decode_logits(model, idx, prompt_lens, cache=None, graphed=False, micro_batches=1, chunk=None):
     """Prefill each sequence's prompt, then decode the rest of idx one token per step (through
-    GraphedDecode if graphed, in micro-batches if asked); returns the logits at every position from
+    GraphedDecode if graphed, in micro-batches if asked; the prompts `chunk` tokens at a time);
+    returns the logits at every position from
     the last prompt token on, per sequence. The cache defaults to a growing KVCache on idx's device."""
     cache = cache or KVCache(model.cfg, len(prompt_lens), idx.device, model.embed_tokens.weight.dtype)
     out = [[] for _ in prompt_lens]
     with torch.no_grad():
         for i, P in enumerate(prompt_lens):
-            out[i].append(model(idx[i:i + 1, :P], cache, seq=i)[0, -1])
+            out[i].append(model.prefill(idx[i:i + 1, :P], cache, i, chunk))
         decode = GraphedDecode(model, cache, micro_batches)
         decode = decode if graphed else decode.step
         for s in range(idx.shape[1] - max(prompt_lens)):

@@ -173,7 +173,7 @@ def test_hf_checkpoint_with_llama3_rope_decodes_like_its_parallel_forward(tmp_pa
     with torch.no_grad():
         ref = model(idx)
         cache = KVCache(model.cfg, 1, "cpu", torch.float64)
-        model(idx[:, :100], cache, seq=0)
+        model.prefill(idx[:, :100], cache, 0)
         dec = torch.stack([model.decode(idx[:, t], cache)[0] for t in range(100, 150)])
     torch.testing.assert_close(dec[:-1], ref[0, 100:149], rtol=0, atol=1e-9)
 

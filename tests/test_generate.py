@@ -106,3 +106,72 @@ def test_without_the_embedded_model_a_random_one_runs(monkeypatch, capsys):
     monkeypatch.setattr(generate.os.path, "isdir", lambda p: False)  # as if checkpoints/ were missing
     out = generate.main(max_new_tokens=5, offload=True, device="cpu", quiet=True)
     assert len(out[0]) == 5 and "randomly initialised" in capsys.readouterr().out
+
+
+def test_memory_plan_picks_the_chunk_and_says_what_fits():
+    """The memory model (offload.plan_memory) at the 8b shape, 128K prompts, 24 GiB: a batch that fits
+    gets the largest chunk that fits, and one sequence more is refused with the batch that does."""
+    import offload
+    from nosa import Config
+    cfg = Config.from_preset("paper-8b")
+    weights, P, budget = 15.66e9, 131072, 24 * 2**30
+    with pytest.raises(MemoryError, match=r"at most \d+ sequences fit") as e:
+        offload.plan_memory(cfg, weights, 40, P, P + 1024, torch.bfloat16, budget)
+    n = int(str(e.value).split("at most ")[1].split()[0])
+    chunk, on_host = offload.plan_memory(cfg, weights, n, P, P + 1024, torch.bfloat16, budget)
+    assert chunk in offload.PREFILL_CHUNKS and n >= 28  # the benchmark's batch, with a prefill beside it
+    assert offload.prefill_bytes(cfg, P, chunk, torch.bfloat16, on_host) < 3e9  # bounded by the chunk, not T x vocab
+    with pytest.raises(MemoryError, match="at most"):
+        offload.plan_memory(cfg, weights, n + 1, P, P + 1024, torch.bfloat16, budget)
+    with pytest.raises(MemoryError, match="host KV store needs .* at most 1 sequences"):
+        offload.plan_memory(cfg, weights, 2, P, P, torch.bfloat16, host_budget=offload.cache_bytes(cfg, 1, P,
+                                                                                                   torch.bfloat16)[1])
+    small = offload.prefill_bytes(cfg, P, 512, torch.bfloat16)
+    assert small < offload.prefill_bytes(cfg, P, 4096, torch.bfloat16)  # smaller chunks, less memory
+
+
+def test_a_gpu_budget_too_small_is_one_line(capsys):
+    with pytest.raises(SystemExit):
+        generate.cli(["--device", "cpu", "--random", "tiny", "--offload", "--gpu-budget", "0.001", "--quiet"])
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "does not fit" in err and "not even one sequence fits" in err, err
+
+
+def test_random_model_with_a_long_prompt_in_chunks(capsys):
+    """--random PRESET and --prompt-len: a prompt cycled to 1000 tokens, prefilled in chunks of 96
+    (not a multiple of the block), offloaded; the prefill line reports it."""
+    out = generate.main(random="tiny", prompt_len=1000, chunk=96, max_new_tokens=8, offload=True, device="cpu",
+                        quiet=True, batch=2)
+    assert [len(o) for o in out] == [8, 8]
+    printed = capsys.readouterr().out
+    assert "prefill: 2000 tokens" in printed and "chunks of 96" in printed and "prompts of 1000-1000" in printed
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="measures GPU memory")
+def test_prefill_and_decode_stay_within_the_memory_model():
+    """The peak of a chunked prefill beyond the weights and the cache is within offload.prefill_bytes,
+    and not far below it; a graphed decode step's is within offload.decode_bytes."""
+    import offload
+    from nosa import Config
+    cfg = Config.from_preset("paper", n_layer=2, vocab_size=32000)
+    model = generate.random_model(cfg, "cuda", torch.bfloat16).fuse_projections()
+    P, C = 16384, 2048
+    cache = offload.OffloadCache(cfg, 2, "cuda", torch.bfloat16, max_len=P + 64)
+    idx = torch.randint(0, 32000, (1, P), device="cuda")
+    model.prefill(idx[:, :256], cache, 1, C)  # compile and warm up first
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    model.prefill(idx, cache, 0, C)
+    torch.cuda.synchronize()
+    used, model_bytes = torch.cuda.max_memory_allocated() - base, offload.prefill_bytes(cfg, P, C, torch.bfloat16)
+    print(f"prefill: {used / 2**20:.0f} MiB measured, {model_bytes / 2**20:.0f} MiB modelled")
+    assert used <= model_bytes and used >= model_bytes / 4
+    step = generate.GraphedDecode(model, cache, 1)
+    tok = torch.zeros(2, dtype=torch.long, device="cuda")
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(4):
+        tok = step(tok).argmax(-1)
+    torch.cuda.synchronize()
+    used = torch.cuda.max_memory_allocated() - base
+    assert used <= offload.decode_bytes(cfg, 2, P + 64, torch.bfloat16), used

@@ -273,3 +273,34 @@ def test_fused_runs_as_written_off_the_gpu_and_falls_back_when_compiling_fails(m
     with pytest.warns(UserWarning, match="runs unfused"):
         assert h(OnGPU(), 5) == 5
     assert h(OnGPU(), 7) == 7 and len(n_compiles) == 1  # warned and compiled once
+
+
+@pytest.mark.parametrize("attn", ["nosa", "infllmv2", "dma", "full"])
+def test_chunked_prefill_through_the_kernels(attn, monkeypatch):
+    """A prefill in chunks of 48 (not a multiple of B = 16) through the kernels (compiled on a GPU in
+    bf16, with the residual stream in pinned host memory and without; interpreted on CPU in fp32):
+    the last position's logits are the parallel forward's, and the cache it leaves decodes alike."""
+    from kvcache import KVCache
+    import nosa
+    import pooling
+    from tests.conftest import make_model
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
+    kw = dict(n_layer=2, dim=64, H_q=4, H_kv=2, head_dim=16, hidden_dim=96, vocab_size=97, B=16, l_c=8, s_c=4,
+              n_sink=1, n_win=1, k=4, k_q=2)  # k·B = 64 tokens
+    model = make_model(attn, dtype, **kw).to(DEV)
+    if DEV == "cpu":
+        monkeypatch.setattr(attention, "use_triton", lambda x, B: True)
+        monkeypatch.setattr(pooling, "query_aware_scores", lambda q, *a: (
+            pooling.query_aware_scores_decode if q.shape[2] == 1 else pooling.query_aware_scores_triton)(q, *a))
+        monkeypatch.setattr(nosa, "select_step", nosa.select_step_triton)
+    idx = torch.randint(0, 97, (1, 200), device=DEV)
+    tol = 2e-2 if dtype == torch.bfloat16 else FP32_TOL
+    with torch.no_grad():
+        ref = model(idx)[0, -1]
+        for on_host in (False, True):
+            cache = KVCache(model.cfg, 1, DEV, dtype)
+            got = model.prefill(idx, cache, 0, 48, stream_on_host=on_host)
+            assert rel_err(got, ref) < tol, (on_host, rel_err(got, ref))
+            whole = KVCache(model.cfg, 1, DEV, dtype)
+            model.prefill(idx, whole, 0)
+            assert rel_err(cache.k[1][0, :, :200], whole.k[1][0, :, :200]) < tol

@@ -1,12 +1,14 @@
 """The model: incremental decoding equals the parallel forward, and gradients are right."""
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 import attention
 import eviction
 import nosa
 from generate import generate, sample
 from nosa import Config
+from kvcache import KVCache
 from tests.conftest import decode_logits, make_model, small
 
 @pytest.mark.parametrize("attn", nosa.MODES)
@@ -154,3 +156,38 @@ def test_bad_generation_requests_raise():
         generate(model, [[1, 2]], max_new_tokens=0)
     with pytest.raises(ValueError, match="empty prompt"):
         generate(model, [[1, 2], []], max_new_tokens=3)
+
+
+@settings(max_examples=12, deadline=None)
+@given(attn=st.sampled_from(nosa.MODES), chunk=st.integers(1, 90), lens=st.lists(st.integers(1, 260), min_size=1,
+                                                                              max_size=3))
+def test_chunked_prefill_equals_parallel_fp64(attn, chunk, lens):
+    """A prompt read `chunk` tokens at a time (chunks not aligned with blocks or sub-blocks), each
+    chunk's queries selecting and attending over the earlier chunks' keys: the last position's logits
+    are the parallel forward's, in every mode, for a ragged batch; and decoding after a chunked
+    prefill equals decoding after a whole one (offloaded, too)."""
+    from offload import OffloadCache
+    torch.manual_seed(len(lens) * 1000 + chunk)
+    model = make_model(attn, torch.float64)
+    T = max(lens) + 20
+    idx = torch.randint(0, 97, (len(lens), T))
+    with torch.no_grad():
+        ref = model(idx)
+    for i, P in enumerate(lens):
+        got = model.prefill(idx[i:i + 1, :P], KVCache(model.cfg, 1, "cpu", torch.float64), 0, chunk)
+        torch.testing.assert_close(got, ref[i, P - 1], rtol=0, atol=1e-9)
+    new = lambda: (OffloadCache(model.cfg, len(lens), "cpu", torch.float64, max_len=T) if model.cfg.sparse
+                   else KVCache(model.cfg, len(lens), "cpu", torch.float64))
+    for a, b in zip(decode_logits(model, idx, lens, new(), chunk=chunk), decode_logits(model, idx, lens, new())):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-9)
+
+
+def test_prefill_keeps_the_cache_and_the_lengths_of_other_rows():
+    """Prefilling row 1 leaves row 0 as it was; both then decode as the parallel forward says."""
+    model = make_model("nosa", torch.float64)
+    idx = torch.randint(0, 97, (2, 200))
+    with torch.no_grad():
+        ref = model(idx)
+    dec = decode_logits(model, idx, [150, 60], chunk=32)
+    for i, P in enumerate([150, 60]):
+        torch.testing.assert_close(dec[i], ref[i, P - 1:P - 1 + dec[i].shape[0]], rtol=0, atol=1e-9)

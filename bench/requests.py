@@ -1,0 +1,115 @@
+"""Whole requests at a GPU memory budget: N prompts of P tokens, G new tokens each, every system at
+the largest batch the memory model (offload.plan_memory) gives it, in static batches (a batch is
+prefilled one prompt at a time, then decodes; the next batch waits). Reported per system: time to
+first token, prefill and decode speed, the whole run's time and its output tokens/s.
+
+What is timed, on random weights: one P-token prefill through model.prefill at the chunk the plan
+chooses, with the decode cache of the whole batch allocated beside it (its peak memory beyond the
+weights and the cache is reported), and graphed decode steps of the whole batch at context P (the
+other rows filled with random K, V and c). The N requests are then composed from those two times:
+every prefill of a shape costs the same, and a step at context P is no slower than the steps after
+it for the sparse systems and faster for full attention, whose reads grow with the context, so the
+composition favours the baseline."""
+import statistics
+import time
+
+import torch
+
+import offload
+from bench.throughput import SHAPES, SYSTEMS, fill_random
+from nosa import Config
+
+
+def largest_plan(cfg, weights, requests, prompt_len, max_len, dtype, budget, host, use_offload):
+    """The largest batch up to `requests` that plan_memory accepts, with its (chunk, stream_on_host)."""
+    for Bz in range(requests, 0, -1):
+        try:
+            return Bz, offload.plan_memory(cfg, weights, Bz, prompt_len, max_len, dtype, budget,
+                                           host if use_offload else None, use_offload)
+        except MemoryError:
+            continue
+    return 0, (None, False)
+
+
+def compose(N, Bz, G, t_prefill, t_step):
+    """Static batches of Bz: (times to first token of the N requests, total seconds)."""
+    ttft, t = [], 0.0
+    for first in range(0, N, Bz):
+        n = min(Bz, N - first)
+        ttft += [t + (i + 1) * t_prefill for i in range(n)]
+        t += n * t_prefill + (G - 1) * t_step
+    return ttft, t
+
+
+@torch.no_grad()
+def bench_requests(shape="8b", prompt_len=131072, new_tokens=(1024, 8192), requests=28, budget_gb=24.0,
+                   systems=("nosa-offload", "full", "infllmv2-offload"), steps=48, host_gb=None):
+    from generate import GraphedDecode, random_model
+    from kvcache import KVCache
+    cuda = torch.cuda.is_available()
+    dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    preset, over = SHAPES[shape]
+    max_len = prompt_len + max(new_tokens)
+    budget = budget_gb * 2**30
+    host = host_gb * 2**30 if host_gb else offload.host_bytes_available()
+    rows = []
+    for name in systems:
+        label, attn, use_offload = SYSTEMS[name]
+        torch.manual_seed(0)
+        model = random_model(Config.from_preset(preset, **over, attn=attn, max_seq_len=max_len), dev, dtype)
+        model.fuse_projections()
+        cfg = model.cfg
+        weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        Bz, (chunk, on_host) = largest_plan(cfg, weights, requests, prompt_len, max_len, dtype, budget, host,
+                                            use_offload)
+        row = dict(system=label, shape=shape, prompt_len=prompt_len, batch=Bz, chunk=chunk, stream_on_host=on_host)
+        rows.append(row)
+        if Bz == 0:
+            print(row, flush=True)
+            continue
+        cache = (offload.OffloadCache(cfg, Bz, dev, dtype, max_len=max_len, host_budget=host) if use_offload
+                 else KVCache(cfg, Bz, dev, dtype, max_len))
+        idx = torch.randint(0, cfg.vocab_size, (1, prompt_len), device=dev)
+        model.prefill(idx[:, :2 * cfg.k * cfg.B], cache, 0, chunk, stream_on_host=on_host)  # compiles
+        sync()
+        base = torch.cuda.memory_allocated() if cuda else 0
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        model.prefill(idx, cache, 0, chunk, stream_on_host=on_host)
+        sync()
+        t_prefill = time.perf_counter() - t0
+        prefill_peak = torch.cuda.max_memory_allocated() - base if cuda else 0
+        if Bz > 1:  # the other rows: random prompts of the same length, as if prefilled
+            fill_random(cache, cfg, Bz, prompt_len, dev, dtype, first=1)
+        step = GraphedDecode(model, cache, 2 if use_offload and Bz >= 16 else 1)
+        tok = torch.randint(0, cfg.vocab_size, (Bz,), device=dev)
+        for _ in range(8):  # the first steps gather whole selections, compile and capture
+            tok = step(tok).argmax(-1)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            tok = step(tok).argmax(-1)
+        sync()
+        t_step = (time.perf_counter() - t0) / steps
+        row.update(ttft_one_s=round(t_prefill, 2), prefill_tokens_s=round(prompt_len / t_prefill),
+                   decode_tokens_s=round(Bz / t_step, 1), step_ms=round(t_step * 1e3, 2),
+                   prefill_gb_beyond=round(prefill_peak / 2**30, 2),
+                   modelled_gb=round(offload.prefill_bytes(cfg, prompt_len, chunk, dtype, on_host) / 2**30, 2),
+                   gpu_peak_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None)
+        for G in new_tokens:
+            ttft, total = compose(requests, Bz, G, t_prefill, t_step)
+            row[f"G{G}"] = dict(ttft_median_s=round(statistics.median(ttft), 1), ttft_max_s=round(max(ttft), 1),
+                                total_s=round(total, 1), output_tokens_s=round(requests * G / total, 1))
+        print(row, flush=True)
+        del cache, model, step
+        if cuda:
+            torch.cuda.empty_cache()
+            getattr(torch._C, "_host_emptyCache", lambda: None)()
+    for G in new_tokens:  # the ratios against full attention, per G
+        base = next((r[f"G{G}"]["total_s"] for r in rows if r["system"].startswith("full") and f"G{G}" in r), None)
+        for r in rows:
+            if base and f"G{G}" in r:
+                r[f"G{G}"]["vs_full"] = round(base / r[f"G{G}"]["total_s"], 2)
+    return rows
