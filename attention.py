@@ -290,6 +290,19 @@ def sparse_attention(q, k, v, bias, block_mask, q_pos, cfg):
         return sparse_attention_torch(q, k, v, bias, block_mask, q_pos, cfg.B)
     if block_mask is None:
         T, S = q.shape[2], k.shape[2]
+        if T < S and not torch.is_grad_enabled():
+            return causal_chunk_flash(q, k, v)
         causal = causal_lower_right(T, S) if T < S else None
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal, is_causal=T == S, enable_gqa=True)
     return SparseAttention.apply(q, k, v, bias, block_mask, q_pos, cfg.B, cfg.k)
+
+
+def causal_chunk_flash(q, k, v):
+    """Full attention of the last T of S positions (a prefill's chunk) by flash attention, whose causal
+    mask is aligned to the last query (lower right) and which reads the H_kv heads of K and V without
+    copying them G times; SDPA's lower-right mask where that kernel does not apply."""
+    try:
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, scale=q.shape[-1] ** -0.5)[0]
+    except RuntimeError:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]),
+                                              enable_gqa=True)

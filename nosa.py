@@ -164,8 +164,9 @@ def select_blocks(Q, E, q_pos, cfg, core_ids=None):
     """Γ(t) for every query as a block mask.
 
     Q: (..., T, nb) query-aware scores, E: (..., nb) eviction scores, q_pos: (..., T) positions.
-    Decoding passes, instead of E, each row's list of its best n_core + k_q - 1 candidates by E,
-    best first (core_ids (..., n), eviction.core_list), kept by the eviction policy; E is then None.
+    Instead of E, a list of the best n_core + k_q - 1 candidates by E, best first (eviction.core_list)
+    may come, the same for every query (core_ids (..., n): decoding, which keeps it by the eviction
+    policy) or one per query (core_ids (..., T, n): select makes them per query block); E is then None.
     Returns a bool mask (..., T, nb): True where block b is selected for the query at q_pos.
     Not differentiable: top-k and pooling carry no gradient."""
     nb = Q.shape[-1]
@@ -177,7 +178,9 @@ def select_blocks(Q, E, q_pos, cfg, core_ids=None):
     pick_q = eviction.top_desc(Q, cand, cfg.k_q_free)  # Γ_q(t) \ F(t)
     # E-picks: the core, with the core members Q already took replaced by the next best by E
     if core_ids is not None:  # the first n_core members of the list that Q did not take
-        ids = core_ids.unsqueeze(-2).expand(*Q.shape[:-1], core_ids.shape[-1])  # (..., T, n)
+        if core_ids.dim() < Q.dim():  # one list for all T queries
+            core_ids = core_ids.unsqueeze(-2).expand(*Q.shape[:-1], core_ids.shape[-1])
+        ids = core_ids  # (..., T, n)
         pick_e = eviction.core_picks(ids, pick_q.gather(-1, ids.clamp(min=0)), cfg.n_core, nb)
     elif E is not None:
         rest = cand & ~pick_q
@@ -216,8 +219,25 @@ def select(q, K_sub, c_sub, q_pos, nb, cfg, core_ids=None):
     Q = pooling.query_aware_scores(q, K_sub, q_pos, nb, cfg)  # (Bz, H_kv, T, nb)
     if q.shape[2] == 1 and (core_ids is not None or c_sub is None):
         return select_step(Q, core_ids, q_pos, cfg)
-    E = None if c_sub is None else eviction.eviction_block_scores(c_sub, nb, cfg)  # (Bz, H_kv, nb)
-    return select_blocks(Q, E, q_pos[:, None], cfg)
+    if c_sub is None or cfg.n_core == 0:  # no E-picks
+        return select_blocks(Q, None, q_pos[:, None], cfg)
+    E = eviction.eviction_block_scores(c_sub, nb, cfg)  # (Bz, H_kv, nb)
+    per_query = core_lists(E, q_pos, cfg)  # (Bz, H_kv, T, n)
+    return select_blocks(Q, None, q_pos[:, None], cfg, per_query)
+
+
+def core_lists(E, q_pos, cfg):
+    """Each query's list of its best n_core + k_q - 1 candidates by E, best first (eviction.core_list),
+    made once per query block, whose queries share their candidates: E (Bz, H_kv, nb), q_pos (Bz, T)
+    -> (Bz, H_kv, T, n). select_blocks with these lists selects what it selects from E itself."""
+    nb, q_blk = E.shape[-1], q_pos // cfg.B  # (Bz, T)
+    first = int(q_blk.min())
+    blocks = torch.arange(first, int(q_blk.max()) + 1, device=E.device)  # the query blocks (n_qb,)
+    b = torch.arange(nb, device=E.device)
+    cand = (b >= cfg.n_sink) & (b < blocks[:, None] - cfg.n_win)  # (n_qb, nb)
+    E = E[:, :, None].expand(*E.shape[:2], len(blocks), nb)
+    lists, _ = eviction.core_list(E, cand.expand_as(E), cfg.n_core + cfg.k_q_free)  # (Bz, H_kv, n_qb, n)
+    return lists.gather(2, (q_blk - first)[:, None, :, None].expand(*lists.shape[:2], -1, lists.shape[-1]))
 
 
 def select_step(Q, core_ids, q_pos, cfg):

@@ -106,10 +106,12 @@ def _qscore_kernel(Q, KS, QPOS, OWN, LAST, scale, T, M, NB,
     offs_d = tl.arange(0, D)
     q = tl.load(Q + ((b * H_kv * G + h * G + g) * T + t)[:, None] * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     pos = tl.load(QPOS + b * T + t, mask=row_ok, other=-1)
+    p_last = tl.max(pos, 0) + 1  # tokens the tile's last query sees: sub-blocks from M_VIS on are hidden from all
+    M_VIS = tl.minimum(tl.where(p_last >= L_C, (p_last - L_C) // S_C + 1, 0), M)
     # pass 1: softmax statistics over the sub-blocks each query sees
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
-    for m0 in range(0, M, BM):
+    for m0 in range(0, M_VIS, BM):
         offs_m = m0 + tl.arange(0, BM)
         ks = tl.load(KS + (bh * M + offs_m)[:, None] * D + offs_d[None, :], mask=(offs_m < M)[:, None], other=0.0)
         vis = (offs_m[None, :] < M) & (offs_m[None, :] * S_C + L_C - 1 <= pos[:, None])
@@ -122,12 +124,17 @@ def _qscore_kernel(Q, KS, QPOS, OWN, LAST, scale, T, M, NB,
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     # pass 2: P summed over the heads of the group, max-pooled to blocks, in registers
     t_tok = tile * BT + tl.arange(0, BT)
+    m_split = tl.cdiv(M_VIS, BM) * BM  # past it no query of the tile sees a sub-block: P = 0 there, no products
     for m0 in range(0, NB * R_SUB, BM):
         offs_m = m0 + tl.arange(0, BM)
-        ks = tl.load(KS + (bh * M + offs_m)[:, None] * D + offs_d[None, :], mask=(offs_m < M)[:, None], other=0.0)
-        vis = (offs_m[None, :] < M) & (offs_m[None, :] * S_C + L_C - 1 <= pos[:, None]) & row_ok[:, None]
-        p = tl.where(vis, tl.exp(tl.dot(q, tl.trans(ks)) * scale - m_safe[:, None]) / l_safe[:, None], 0.0)
-        P = tl.sum(tl.reshape(p, (BT, GP, BM)), 1)  # (BT, BM)
+        if m0 < m_split:
+            ks = tl.load(KS + (bh * M + offs_m)[:, None] * D + offs_d[None, :], mask=(offs_m < M)[:, None],
+                         other=0.0)
+            vis = (offs_m[None, :] < M) & (offs_m[None, :] * S_C + L_C - 1 <= pos[:, None]) & row_ok[:, None]
+            p = tl.where(vis, tl.exp(tl.dot(q, tl.trans(ks)) * scale - m_safe[:, None]) / l_safe[:, None], 0.0)
+            P = tl.sum(tl.reshape(p, (BT, GP, BM)), 1)  # (BT, BM)
+        else:
+            P = tl.zeros([BT, BM], tl.float32)
         P = tl.where((offs_m < M)[None, :], P, float("-inf"))  # sub-blocks that do not exist yet
         P3 = tl.reshape(P, (BT, NBT, R_SUB))
         own = tl.max(P3, 2)  # (BT, NBT): max over each block's own r sub-blocks

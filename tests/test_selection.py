@@ -237,3 +237,23 @@ def test_core_list_kept_by_the_policy_equals_the_list_from_scratch():
             assert torch.equal(ids, want_ids) and torch.equal(E_ids, want_E), (trial, j)
         ids2, _ = eviction.join_core_list(ids, E_ids, torch.full((3,), -1), torch.zeros(3))  # no block leaves
         assert torch.equal(ids2, ids)
+
+
+@settings(max_examples=60, deadline=None)
+@given(cfg=configs(), data=st.data(), attn=st.sampled_from(["nosa", "dma"]))
+def test_selection_from_block_lists_equals_the_definition(cfg, data, attn):
+    """The parallel forward selects from each query block's list of its best candidates by E
+    (nosa.core_lists, the list decoding keeps), not by ranking every block for every query: the same
+    blocks as select_blocks from E itself, for random configs, ragged positions and many ties."""
+    from dataclasses import replace
+    cfg = replace(cfg, attn=attn)
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    Bz, H, nb = 2, 2, data.draw(st.integers(1, 40))
+    T = data.draw(st.integers(1, 3 * cfg.B))
+    start = torch.randint(0, nb * cfg.B - T + 1, (Bz, 1), generator=g) if nb * cfg.B > T else torch.zeros(Bz, 1)
+    q_pos = (start + torch.arange(T)).long()  # (Bz, T)
+    E = torch.randint(0, 3, (Bz, H, nb), generator=g).double()  # ties everywhere
+    Q = torch.randint(0, 4, (Bz, H, T, nb), generator=g).double()
+    want = nosa.select_blocks(Q, E, q_pos[:, None], cfg)
+    got = nosa.select_blocks(Q, None, q_pos[:, None], cfg, nosa.core_lists(E, q_pos, cfg))
+    assert torch.equal(got, want)
