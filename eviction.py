@@ -69,7 +69,7 @@ def top_desc(score, valid, n):
     kth = s.topk(n, dim=-1, sorted=False).values.amin(-1, keepdim=True)  # (..., 1) the n-th best
     above, tie = s > kth, s == kth
     room = n - above.sum(-1, keepdim=True)
-    return valid & (above | tie & (tie.flip(-1).cumsum(-1).flip(-1) <= room))
+    return valid & (above | tie & (tie.flip(-1).cumsum(-1, dtype=torch.int32).flip(-1) <= room))
 
 
 def core_blocks(E, cand, n_core):

@@ -118,10 +118,9 @@ class Attention(nn.Module):
         block_mask = None
         if cfg.sparse:
             with record_function("selection"):  # exactly as the parallel forward selects, from the pooled caches
-                K_sub, c_sub = cache.sub[layer]
+                K_sub, _ = cache.sub[layer]
                 core_ids = cache.sub.core_ids[layer] if cache.sub.core_ids else None  # E's best candidates
-                block_mask = nosa.select(q, K_sub, None if c is None else c_sub, cache.len[:, None], cache.n_blocks(),
-                                         cfg, core_ids)
+                block_mask = nosa.select(q, K_sub, core_ids, cache.len[:, None], cache.n_blocks(), cfg)
         o = cache.attend(layer, q, block_mask)  # (Bz, H_q, 1, d)
         return o.transpose(1, 2).reshape(Bz, 1, -1)
 

@@ -204,35 +204,32 @@ def core_mask(E, q_pos, cfg):
 SELECT_ROWS = 2048  # queries scored and selected at a time: the temporaries are (SELECT_ROWS, nb), whatever T
 
 
-def select(q, K_sub, c_sub, q_pos, nb, cfg, core_ids=None):
+def select(q, K_sub, core_ids, q_pos, nb, cfg):
     """Score, then select: the one path from the pooled caches to Γ(t), shared by the parallel forward
     (training, prefill) and decoding, so both pick exactly the same blocks.
 
-    q (Bz, H_q, T, d) at positions q_pos (Bz, T); K̃ (Bz, H_kv, M, d) compressed keys; c̃ (Bz, H_kv, M)
-    sub-block means of the eviction score, or None (infllmv2: E plays no part); nb blocks to score.
-    A decode step (T = 1) passes instead of c̃ each row's list of its best candidates by E, kept by
-    the eviction policy (core_ids (Bz, H_kv, n), kvcache.SubBlockCache), or None without E.
+    q (Bz, H_q, T, d) at positions q_pos (Bz, T); K̃ (Bz, H_kv, M, d) compressed keys; nb blocks to
+    score; core_ids the list of the best n_core + k_q - 1 candidates by E, best first: one per query
+    (Bz, H_kv, T, n), from core_lists (the parallel forward), or one per row (Bz, H_kv, n) kept by the
+    eviction policy (a decode step: kvcache.SubBlockCache); None in a mode without E-picks.
     Returns the block mask (Bz, H_kv, T, nb)."""
-    if q.shape[2] > SELECT_ROWS:
-        return torch.cat([select(q[:, :, t:t + SELECT_ROWS], K_sub, c_sub, q_pos[:, t:t + SELECT_ROWS], nb, cfg)
-                          for t in range(0, q.shape[2], SELECT_ROWS)], 2)
     Q = pooling.query_aware_scores(q, K_sub, q_pos, nb, cfg)  # (Bz, H_kv, T, nb)
-    if q.shape[2] == 1 and (core_ids is not None or c_sub is None):
+    if q.shape[2] == 1 and (core_ids is None or core_ids.dim() == 3):
         return select_step(Q, core_ids, q_pos, cfg)
-    if c_sub is None or cfg.n_core == 0:  # no E-picks
-        return select_blocks(Q, None, q_pos[:, None], cfg)
-    E = eviction.eviction_block_scores(c_sub, nb, cfg)  # (Bz, H_kv, nb)
-    per_query = core_lists(E, q_pos, cfg)  # (Bz, H_kv, T, n)
-    return select_blocks(Q, None, q_pos[:, None], cfg, per_query)
+    return select_blocks(Q, None, q_pos[:, None], cfg, core_ids)
 
 
-def core_lists(E, q_pos, cfg):
+def core_lists(E, q_pos, cfg, first=None):
     """Each query's list of its best n_core + k_q - 1 candidates by E, best first (eviction.core_list),
     made once per query block, whose queries share their candidates: E (Bz, H_kv, nb), q_pos (Bz, T)
-    -> (Bz, H_kv, T, n). select_blocks with these lists selects what it selects from E itself."""
-    nb, q_blk = E.shape[-1], q_pos // cfg.B  # (Bz, T)
-    first = int(q_blk.min())
-    blocks = torch.arange(first, int(q_blk.max()) + 1, device=E.device)  # the query blocks (n_qb,)
+    -> (Bz, H_kv, T, n). select_blocks with these lists selects what it selects from E itself.
+    first: the first query block, where the caller knows it (else read from q_pos: a host sync)."""
+    nb, T, q_blk = E.shape[-1], q_pos.shape[-1], q_pos // cfg.B  # (Bz, T)
+    if first is None:
+        first, last = int(q_blk.min()), int(q_blk.max())
+    else:  # consecutive positions from a block's first block on
+        last = first + (T + cfg.B - 2) // cfg.B
+    blocks = torch.arange(first, last + 1, device=E.device)  # the query blocks (n_qb,)
     b = torch.arange(nb, device=E.device)
     cand = (b >= cfg.n_sink) & (b < blocks[:, None] - cfg.n_win)  # (n_qb, nb)
     E = E[:, :, None].expand(*E.shape[:2], len(blocks), nb)
@@ -347,6 +344,12 @@ def nosa_attention(q, k, v, c, cfg, start=0, pooled=None):
         if pooled is None:
             pooled = pooling.compress_keys(k, cfg), None if c is None else pooling.pool_mean(c, cfg)
         K_sub, c_sub = pooled
-        block_mask = select(q, K_sub, None if c is None else c_sub, q_pos, pooling.n_blocks(S, cfg), cfg)
+        nb, ids = pooling.n_blocks(S, cfg), None
+        if c is not None and cfg.n_core > 0:  # each query's list of the best candidates by E
+            ids = core_lists(eviction.eviction_block_scores(c_sub, nb, cfg), q_pos, cfg, start // cfg.B)
+        R = SELECT_ROWS
+        parts = [select(q[:, :, t:t + R], K_sub, None if ids is None else ids[:, :, t:t + R], q_pos[:, t:t + R], nb,
+                        cfg) for t in range(0, T, R)]
+        block_mask = torch.cat(parts, 2) if len(parts) > 1 else parts[0]
     bias = None if c is None else eviction.attention_bias(c, cfg.attn)
     return attention.sparse_attention(q, k, v, bias, block_mask, q_pos, cfg), block_mask

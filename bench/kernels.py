@@ -6,6 +6,7 @@ from triton.testing import do_bench
 
 import attention
 import decode
+import eviction
 import nosa
 import pooling
 from bench import graph_time, hbm_bandwidth
@@ -24,43 +25,71 @@ def paper_mask(Bz, H_kv, T, cfg, device, seed=0):
     return nosa.select_blocks(Q, E, torch.arange(T, device=device)[None, None], cfg)
 
 
-def bench_prefill(H_q=32, H_kv=2, d=128):
-    """Training / prefill attention, forward + backward, bf16: NOSA kernel vs dense causal SDPA."""
+def bench_prefill(H_q=32, H_kv=2, d=128, lengths=(16384, 32768, 65536, 131072), forward_only=(262144,)):
+    """One layer's training / prefill attention at the paper defaults, bf16, batch 1, random q, k, v, c:
+    nosa_attention (scoring, selection, attention) against causal SDPA (flash, GQA) in the same run,
+    forward for every length and forward + backward for `lengths`; the share of each phase and the
+    TFLOP/s of useful work (the keys each query attends to: min(t + 1, k·B) for nosa)."""
     cfg = Config.from_preset("paper")
     rows = []
-    for T in (8192, 16384, 32768):
-        q = torch.randn(1, H_q, T, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        k, v = (torch.randn(1, H_kv, T, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
-        c = torch.randn(1, H_kv, T, device="cuda", requires_grad=True)
-        mask, pos = paper_mask(1, H_kv, T, cfg, "cuda"), torch.arange(T, device="cuda")[None]
-        do = torch.randn_like(q)
+    for T in lengths + forward_only:
+        torch.manual_seed(0)
+        bwd = T in lengths
+        q = torch.randn(1, H_q, T, d, device="cuda", dtype=torch.bfloat16, requires_grad=bwd)
+        k, v = (torch.randn(1, H_kv, T, d, device="cuda", dtype=torch.bfloat16, requires_grad=bwd) for _ in range(2))
+        c = torch.randn(1, H_kv, T, device="cuda", requires_grad=bwd)
+        pos, nb = torch.arange(T, device="cuda")[None], pooling.n_blocks(T, cfg)
+        K_sub, c_sub = pooling.compress_keys(k.detach(), cfg), pooling.pool_mean(c.detach(), cfg)
+        reps, R = max(3, 2**17 // T * 4), nosa.SELECT_ROWS
+        ms = lambda f: timed(f, reps)
+        with torch.no_grad():
+            t_score = ms(lambda: pooling.query_aware_scores(q, K_sub, pos, nb, cfg))
+            def sel():  # nosa_attention's selection
+                ids = nosa.core_lists(eviction.eviction_block_scores(c_sub, nb, cfg), pos, cfg, 0)
+                return torch.cat([nosa.select(q[:, :, t:t + R], K_sub, ids[:, :, t:t + R], pos[:, t:t + R], nb, cfg)
+                                  for t in range(0, T, R)], 2)
 
-        def nosa_fb():
-            attention.SparseAttention.apply(q, k, v, c, mask, pos, cfg.B).backward(do)
-
-        def nosa_f():
-            attention.SparseAttention.apply(q, k, v, c, mask, pos, cfg.B)
-
-        def sdpa_fb():
-            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).backward(do)
-
-        def sdpa_f():
-            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-
-        K_sub = pooling.compress_keys(k.detach(), cfg)
-
-        def score_kernel():
-            pooling.query_aware_scores_triton(q.detach(), K_sub, pos, T // cfg.B, cfg)
-
-        def score_torch():
-            pooling.query_aware_scores_torch(q.detach(), K_sub, pos, T // cfg.B, cfg)
-
-        t = {n: do_bench(f, warmup=50, rep=300, return_mode="median") for n, f in
-             (("nosa_fwd", nosa_f), ("nosa_fwd_bwd", nosa_fb), ("sdpa_fwd", sdpa_f), ("sdpa_fwd_bwd", sdpa_fb),
-              ("score_kernel", score_kernel), ("score_torch", score_torch))}
-        rows.append(dict(T=T, **{f"{n}_ms": round(x, 3) for n, x in t.items()},
-                         speedup_fwd_bwd=round(t["sdpa_fwd_bwd"] / t["nosa_fwd_bwd"], 2)))
+            t_select = ms(sel)  # scoring included
+            mask = sel()
+            t_attn = ms(lambda: attention.SparseAttention.apply(q, k, v, c, mask, pos, cfg.B))
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            t_fwd = ms(lambda: nosa.nosa_attention(q, k, v, c, cfg))
+            peak = torch.cuda.max_memory_allocated() - base
+            t_sdpa = ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+        keys = torch.arange(1, T + 1, device="cuda").clamp(max=cfg.k * cfg.B).sum().item()
+        useful, dense = 4 * d * H_q * keys, 4 * d * H_q * T * (T + 1) / 2  # FLOP: q·k and p·v
+        row = dict(T=T, nosa_fwd_ms=round(t_fwd, 2), sdpa_fwd_ms=round(t_sdpa, 2),
+                   sdpa_over_nosa_fwd=round(t_sdpa / t_fwd, 2), score_ms=round(t_score, 2),
+                   select_ms=round(t_select - t_score, 2), attention_ms=round(t_attn, 2),
+                   attention_tflops=round(useful / t_attn / 1e9, 1), sdpa_tflops=round(dense / t_sdpa / 1e9, 1),
+                   nosa_fwd_peak_gb=round(peak / 2**30, 2))
+        if bwd:
+            do = torch.randn_like(q)
+            fb = lambda: nosa.nosa_attention(q, k, v, c, cfg)[0].backward(do)
+            t_fb = ms(fb)
+            t_sdpa_fb = ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).backward(do))
+            row.update(nosa_fwd_bwd_ms=round(t_fb, 2), sdpa_fwd_bwd_ms=round(t_sdpa_fb, 2),
+                       sdpa_over_nosa_fwd_bwd=round(t_sdpa_fb / t_fb, 2))
+        rows.append(row)
+        print(row, flush=True)
+        del q, k, v, c, mask
+        torch.cuda.empty_cache()
     return rows
+
+
+def timed(fn, reps):
+    """Median milliseconds of fn over reps calls after one warm-up, CUDA events around each."""
+    fn()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return sorted(ts)[len(ts) // 2]
 
 
 def bench_decode(H_q=32, H_kv=2, d=128):

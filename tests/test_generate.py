@@ -148,6 +148,7 @@ def test_random_model_with_a_long_prompt_in_chunks(capsys):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="measures GPU memory")
+@torch.no_grad()  # as generate runs
 def test_prefill_and_decode_stay_within_the_memory_model():
     """The peak of a chunked prefill beyond the weights and the cache is within offload.prefill_bytes,
     and not far below it; a graphed decode step's is within offload.decode_bytes."""

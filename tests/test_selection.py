@@ -195,8 +195,9 @@ def test_parallel_selection_equals_decode_selection(tied):
         sub.append(0, k[rows, :, pos], c[rows, :, pos], pos, int(pos.max()))
         nb = pooling.n_blocks(int(pos.max()) + 1, cfg)
         q_t = q[rows, :, pos][:, :, None]
-        dec = nosa.select(q_t, sub.K_sub[0], sub.c_sub[0], pos[:, None], nb, cfg)[:, :, 0]
-        dec_list = nosa.select(q_t, sub.K_sub[0], None, pos[:, None], nb, cfg, sub.core_ids[0])[:, :, 0]
+        E = eviction.eviction_block_scores(sub.c_sub[0], nb, cfg)  # from c̃, the lists from scratch
+        dec = nosa.select(q_t, sub.K_sub[0], nosa.core_lists(E, pos[:, None], cfg), pos[:, None], nb, cfg)[:, :, 0]
+        dec_list = nosa.select(q_t, sub.K_sub[0], sub.core_ids[0], pos[:, None], nb, cfg)[:, :, 0]
         for i in range(Bz):
             p = int(pos[i])
             nbi = pooling.n_blocks(p + 1, cfg)
