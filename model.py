@@ -234,7 +234,7 @@ class Transformer(nn.Module):
         """std 0.02 (GPT-2, Llama), except W_δ, at 1/sqrt(fan-in) so that W_δ v is of the size of v. The
         eviction head is a product: A = 0 at init, and A's gradient is the covariance, over tokens, of
         softplus(W_δ v) with the logit gradient (a constant bias changes no softmax); at std 0.02 that
-        softplus is nearly the same for every token, which leaves A little to learn from (BENCHMARKS.md)."""
+        softplus is nearly the same for every token, which leaves A little to learn from."""
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, mean=0.0, std=getattr(m, "init_std", 0.02))
 

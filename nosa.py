@@ -29,11 +29,12 @@ candidate, while candidates only join (a block leaves the window at a block boun
 at t is drawn from the core at t-1 plus the block that just left the window, which was selected at
 t-1 too. Hence at most k - k_e - 1 = k_q - 1 blocks per (sequence, layer, KV head) are new at a
 step besides the query's own block, which is the tail being written and is on the GPU anyway
-(offload.py): that is the most that crosses PCIe per step, whatever Q does. Training computes the
-core from scratch at every position (select_blocks ranks all candidates by E); because scores are
-fixed and candidates only join, a block that drops out of the core can never return. Decoding runs
-that eviction policy itself, on each row's short list of its best candidates by E
-(eviction.join_core_list); the tests check that both select the same blocks.
+(offload.py): that is the most that crosses PCIe per step, whatever Q does. The definition
+(select_blocks from E) ranks all candidates by E at every position; because scores are fixed and
+candidates only join, a block that drops out of the core can never return. Both paths select from
+a short list of the best candidates by E instead: the parallel forward makes it from scratch once
+per query block (core_lists), decoding keeps it by that eviction policy (eviction.join_core_list);
+the tests check that both select what the definition selects.
 
 Attention modes (docs/METHOD.md §7), all from the same code:
   full      all causal tokens, no bias

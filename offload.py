@@ -260,8 +260,7 @@ def plan_memory(cfg, weights, Bz, prompt_len, max_len, dtype, gpu_budget=None, h
 
 def host_bytes_available():
     """What the host store may take by default: the memory the OS reports available, less a margin
-    for the process itself (a tenth of it, at least 4 GiB, at most half). On the H200 machine 120 of
-    its 126 GiB could be pinned (BENCHMARKS.md)."""
+    for the process itself (a tenth of it, at least 4 GiB, at most half)."""
     try:
         with open("/proc/meminfo") as f:
             avail = int(next(l for l in f if l.startswith("MemAvailable")).split()[1]) * 1024

@@ -17,6 +17,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 import sysconfig
 import time
 from dataclasses import replace
@@ -277,8 +278,12 @@ def main(preset="tiny", attn="nosa", out=None, data=None, data_dir=None, steps=1
                                              evict_lr_mult=evict_lr_mult, init_from=init_from))
     if master and step == steps:
         print(f"done: generate with `python generate.py --checkpoint {out}`")
-    if ddp:
-        dist.destroy_process_group()
+    if ddp:  # leave without freeing the DDP wrapper: its process group's destructor joins the gloo threads
+        dist.barrier()  # while holding the GIL, which a thread still releasing a finished work item may wait
+        dist.destroy_process_group()  # for (a deadlock at exit, seen in 1 run of 3); the checkpoints are written
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return raw, val_loss
 
 

@@ -6,7 +6,7 @@ import os
 import torch
 
 import checkpoint
-from bench import eviction, gather, kernels, quality
+from bench import eviction, gather, kernels, plot, quality
 from bench import requests as requests_
 from bench import throughput as throughput_
 
@@ -17,6 +17,8 @@ def main(what, json_path=None, ckpts=os.path.join(checkpoint.ROOT, "out"), train
         rows = quality.bench_quality(ckpts, systems or tuple(quality.SYSTEMS), judge, gen_len)
     elif what == "eviction":
         rows = eviction.bench_eviction(checkpoint_dir)
+    elif what == "plot":
+        rows = plot.main()
     elif what == "requests":
         rows = requests_.bench_requests(**throughput, systems=systems or ("nosa-offload", "full", "infllmv2-offload"))
     elif what == "throughput":
@@ -40,7 +42,7 @@ def main(what, json_path=None, ckpts=os.path.join(checkpoint.ROOT, "out"), train
 if __name__ == "__main__":
     p = argparse.ArgumentParser(prog="python -m bench", description="NOSA / NOSI benchmarks (GPU)")
     p.add_argument("what", choices=["gather", "prefill", "decode", "sdpa", "quality", "eviction", "throughput",
-                                    "requests"],
+                                    "requests", "plot"],
                    help="which benchmark")
     p.add_argument("--json", help="also write the rows to this file")
     p.add_argument("--ckpts", default=os.path.join(checkpoint.ROOT, "out"),

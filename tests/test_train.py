@@ -89,7 +89,7 @@ def test_ddp_two_processes_on_cpu(corpus, tmp_path):
     args += [f"--set={k}={v}" for k, v in small.items()]
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py"] + args,
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.returncode == 0, f"stdout: {r.stdout[-3000:]}\nstderr (both ranks): {r.stderr[-8000:]}"
     assert "x 4 x 64 tokens" in r.stdout  # 2 processes x batch 2
     assert json.load(open(os.path.join(out, "train_state.json")))["step"] == 3
 

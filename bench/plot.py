@@ -1,0 +1,82 @@
+"""python -m bench plot: the figures of BENCHMARKS.md, drawn from the benchmarks' JSON rows in
+bench/results/ (written with --json) into docs/figures/. Needs matplotlib (not a requirement of the
+rest of the project)."""
+import json
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS, FIGURES = os.path.join(ROOT, "bench", "results"), os.path.join(ROOT, "docs", "figures")
+
+
+def load(name):
+    with open(os.path.join(RESULTS, name)) as f:
+        return json.load(f)
+
+
+def plot_prefill(plt):
+    """One layer's forward (and forward + backward) against dense SDPA, by sequence length."""
+    rows = load("prefill.json")
+    T = [r["T"] // 1024 for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    ax.plot(T, [r["sdpa_fwd_ms"] for r in rows], "o-", label="dense SDPA (flash), forward")
+    ax.plot(T, [r["nosa_fwd_ms"] for r in rows], "o-", label="nosa, forward")
+    fb = [r for r in rows if "nosa_fwd_bwd_ms" in r]
+    ax.plot([r["T"] // 1024 for r in fb], [r["sdpa_fwd_bwd_ms"] for r in fb], "s--", label="dense SDPA, fwd + bwd")
+    ax.plot([r["T"] // 1024 for r in fb], [r["nosa_fwd_bwd_ms"] for r in fb], "s--", label="nosa, fwd + bwd")
+    ax.set(xscale="log", yscale="log", xlabel="sequence length (K tokens)", ylabel="ms, one layer",
+           title="Prefill attention, 32 q / 2 KV heads of 128, H200")
+    ax.set_xticks(T, [str(t) for t in T])
+    ax.xaxis.set_minor_formatter(plt.NullFormatter())
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_requests(plt):
+    """Whole requests: total time of 28 (8b) or 112 (1b) requests, prefill and decode, per system."""
+    runs = [("8b, 32K", "requests_8b_32k.json"), ("8b, 128K", "requests_8b_128k.json"),
+            ("1b, 128K", "requests_1b_128k.json")]
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6), sharey=False)
+    for ax, G in zip(axes, ("G1024", "G8192")):
+        labels, systems = [name for name, _ in runs], {}
+        for i, (_, f) in enumerate(runs):
+            for r in load(f):
+                if G in r:
+                    systems.setdefault(r["system"], {})[i] = r[G]["output_tokens_s"]
+        width = 0.8 / len(systems)
+        for j, (system, by_run) in enumerate(systems.items()):
+            xs = [i + j * width for i in by_run]
+            ax.bar(xs, list(by_run.values()), width, label=system)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(runs))], labels)
+        ax.set(ylabel="output tokens/s, prefill included", title=f"{G[1:]} new tokens per request")
+    axes[0].legend(fontsize=8)
+    fig.suptitle("Whole requests at a 24 GiB GPU budget (H200, random weights)")
+    fig.tight_layout()
+    return fig
+
+
+def plot_decode(plt):
+    """Decode tokens/s at 128K and 24 GiB, each system at its largest batch."""
+    rows = load("throughput_128k.json")
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    for ax, shape in zip(axes, ("8b", "1b")):
+        rs = [r for r in rows if r["shape"] == shape]
+        ax.bar(range(len(rs)), [r["tokens_s"] for r in rs], color=["C0", "C1", "C2", "C3"][:len(rs)])
+        ax.set_xticks(range(len(rs)), [f"{r['system']}\nbatch {r['batch']}" for r in rs], fontsize=7)
+        ax.set(ylabel="decode tokens/s", title=f"{shape} shape, 128K context")
+    fig.suptitle("Steady-state decode at a 24 GiB GPU budget (H200, cache filled without a prefill)")
+    fig.tight_layout()
+    return fig
+
+
+def main():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    os.makedirs(FIGURES, exist_ok=True)
+    rows = []
+    for name, fn in (("prefill", plot_prefill), ("requests", plot_requests), ("decode", plot_decode)):
+        path = os.path.join(FIGURES, f"{name}.png")
+        fn(plt).savefig(path, dpi=110)
+        rows.append(dict(figure=os.path.relpath(path, ROOT)))
+    return rows
