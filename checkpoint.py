@@ -28,6 +28,14 @@ ADDED_LATER = {"rope_scaling"}  # Config fields older checkpoints lack; their ab
 DEFAULT_CHECKPOINT = os.path.join(ROOT, "checkpoints", "tiny-nosa")  # the embedded model; train.py never writes it
 
 
+def resolve(path):
+    """A checkpoint path as the scripts take it: relative to the working directory where it exists
+    there, else to the repository (where train.py writes out/), whatever the working directory."""
+    if os.path.isabs(path) or os.path.exists(path) or not os.path.exists(os.path.join(ROOT, path)):
+        return path
+    return os.path.join(ROOT, path)
+
+
 def byte_tokenizer():
     """256 byte-level tokens and no merges: what an untrained model reads and writes."""
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
@@ -52,6 +60,9 @@ def save(model, tokenizer, path, dtype=None, train_state=None, optimizer=None):
     if model.cfg.tie_embeddings:
         sd.pop("lm_head.weight")
     save_file(sd, os.path.join(tmp, "model.safetensors"))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(os.path.join(tmp, "model.safetensors"), 0o666 & ~umask)  # as readable as the files beside it
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(model.cfg.to_dict(), f, indent=1)
     tokenizer.save(os.path.join(tmp, "tokenizer.json"))
@@ -62,9 +73,47 @@ def save(model, tokenizer, path, dtype=None, train_state=None, optimizer=None):
         torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
     recover(path)
     if os.path.isdir(path):
+        foreign = set(os.listdir(path)) - set(FILES)
+        if foreign:  # check_out refused it before the run; never delete what is not ours
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise FileExistsError(f"{path} holds {sorted(foreign)[0]}, which is not a checkpoint of ours: not replaced")
         os.rename(path, old)
     os.rename(tmp, path)
     shutil.rmtree(old, ignore_errors=True)
+
+
+FILES = ("model.safetensors", "config.json", "tokenizer.json", "train_state.json", "optimizer.pt")  # what save writes
+
+
+def check_out(path):
+    """Before a run writes its first checkpoint to path: refuse, in one line, a path inside the
+    repository's checkpoints/ (the embedded models), a file, a directory that holds anything but a
+    checkpoint of ours (save replaces the directory whole), and a place that cannot be written
+    (a probe file beside it, where save writes first)."""
+    path = os.path.abspath(path)
+    embedded = os.path.join(ROOT, "checkpoints")
+    if os.path.commonpath([path, embedded]) == embedded:
+        raise ValueError(f"--out {path}: training never writes into {embedded} (the embedded models); write "
+                         f"elsewhere and copy a model there yourself")
+    recover(path)
+    if os.path.isfile(path):
+        raise FileExistsError(f"--out {path} is a file; give a directory")
+    if os.path.isdir(path):
+        foreign = sorted(set(os.listdir(path)) - set(FILES))
+        if foreign:
+            raise FileExistsError(f"--out {path} holds {', '.join(foreign[:3])}{' ...' if len(foreign) > 3 else ''}, "
+                                  f"which is not a checkpoint of ours, and a save replaces the directory whole: "
+                                  f"give a new or empty directory")
+    parent = os.path.dirname(path)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        probe = os.path.join(parent, f".{os.path.basename(path)}.{os.getpid()}.probe")
+        with open(probe, "w") as f:
+            f.write("probe")
+        os.remove(probe)
+    except OSError as e:
+        raise PermissionError(f"--out {path}: cannot write in {parent} ({e.strerror}); give a writable "
+                              f"directory") from None
 
 
 def recover(path):
@@ -122,6 +171,9 @@ def load(path, device="cpu", dtype=None, **overrides):
     `overrides` change config fields (e.g. attn="infllmv2"). Every failure is one line that says what
     to do, and comes before any tensor is loaded: nothing is half-loaded."""
     recover(path)
+    if os.path.isfile(path):
+        raise FileNotFoundError(f"{path!r} is a file, not a checkpoint directory; give the directory train.py "
+                                f"wrote (e.g. out/tiny-nosa) or a Hugging Face model directory")
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no checkpoint directory at {path!r}: train one with `python train.py --out "
                                 f"{path}`, or give the path of an existing one")
@@ -143,7 +195,9 @@ def load(path, device="cpu", dtype=None, **overrides):
             if lacking:
                 raise ValueError(f"it lacks {', '.join(map(repr, lacking))}")
             cfg = Config(**{**raw, **overrides})
-    except (json.JSONDecodeError, UnicodeDecodeError, TypeError, KeyError, ValueError) as e:
+    except ValueError as e:  # the Config's own checks say what is wrong
+        raise ValueError(f"{os.path.join(path, 'config.json')}: {e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, TypeError, KeyError) as e:
         raise ValueError(f"{os.path.join(path, 'config.json')} is not a valid NOSA config ({e})") from None
     if os.path.isfile(index):
         with open(index) as f:
@@ -156,6 +210,10 @@ def load(path, device="cpu", dtype=None, **overrides):
         try:
             with safe_open(os.path.join(path, fname), framework="pt") as f:
                 for name in f.keys():
+                    kind = f.get_slice(name).get_dtype()
+                    if kind not in ("F16", "BF16", "F32", "F64"):
+                        raise ValueError(f"{os.path.join(path, fname)}: {name} is stored as {kind}; a model's weights "
+                                         f"are floating point: re-export or re-train the checkpoint")
                     shapes[name.removeprefix("model.")] = tuple(f.get_slice(name).get_shape())
                     where[name.removeprefix("model.")] = (fname, name)
         except (SafetensorError, OSError) as e:
@@ -187,6 +245,9 @@ def load(path, device="cpu", dtype=None, **overrides):
                 if fn == fname:
                     t = f.get_tensor(name)
                     sd[key] = t.to(device=device, dtype=dtype or t.dtype)
+                    if not torch.isfinite(sd[key]).all():
+                        raise ValueError(f"checkpoint {path!r}: {name} holds NaN or infinite values; the checkpoint "
+                                         f"is damaged (a diverged run?): re-download or re-train it")
     model.load_state_dict(sd, strict=False, assign=True)
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -253,3 +314,6 @@ def run_cli(main, *args, **kwargs):
     except ANTICIPATED as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt as e:  # Ctrl-C: one line (train.py says where its last checkpoint is)
+        print(f"interrupted{f': {e}' if str(e) else ''}", file=sys.stderr)
+        sys.exit(130)

@@ -206,6 +206,12 @@ def main(checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, prompt=DEFAULT_PROMPT, ma
         if value < least:
             raise ValueError(f"{name} {value}: must be at least {least}")
     device = checkpoint.pick_device(device)
+    checkpoint_dir = checkpoint.resolve(checkpoint_dir)  # the working directory's, else the repository's
+    if profile:  # a trace that cannot be written is found now, not after the generation
+        try:
+            open(profile, "a").close()
+        except OSError as e:
+            raise ValueError(f"--profile {profile}: cannot write it ({e.strerror}); give a writable path") from None
     torch.manual_seed(seed)
     overrides = {"attn": attn} if attn else {}
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

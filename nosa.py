@@ -42,7 +42,7 @@ Attention modes (docs/METHOD.md §7), all from the same code:
   dma       F + the best blocks by E only, bias exp(c)
   nosa      dual selection, bias c (ED-DMA)
 """
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 import triton
@@ -86,9 +86,16 @@ class Config:
             if not ok:
                 raise ValueError(f"invalid NOSA config: {msg}")
 
+        kinds = {int: (int, "an integer"), float: ((int, float), "a number"), bool: (bool, "true or false"),
+                 str: (str, "a string")}
+        for f in fields(self):  # a config.json may hold 16.5 or "16": say so here, not in a kernel
+            want, say = kinds.get(f.type, (object, ""))
+            v = getattr(self, f.name)
+            check(isinstance(v, want) and (f.type is bool or not isinstance(v, bool)), f"{f.name}={v!r} must be {say}")
         check(self.attn in MODES, f"attn={self.attn!r}; choose one of {MODES}")
-        check(min(self.n_layer, self.dim, self.H_q, self.H_kv, self.head_dim, self.hidden_dim, self.vocab_size) > 0,
-              "sizes must be positive")
+        sizes = ("n_layer", "dim", "H_q", "H_kv", "head_dim", "hidden_dim", "vocab_size", "B", "l_c", "s_c", "k")
+        bad = [f"{n}={getattr(self, n)}" for n in sizes if getattr(self, n) <= 0]
+        check(not bad, f"{', '.join(bad)}: sizes must be positive")
         check(self.H_q % self.H_kv == 0, f"H_q={self.H_q} must be a multiple of H_kv={self.H_kv}")
         check(self.head_dim % 2 == 0, f"head_dim={self.head_dim} must be even for RoPE")
         check(0 < self.s_c <= self.l_c, f"need 0 < s_c <= l_c (got s_c={self.s_c}, l_c={self.l_c})")

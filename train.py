@@ -33,30 +33,51 @@ from model import Transformer
 from nosa import Config
 
 EOT = checkpoint.EOT
+SHAPE_FIELDS = ("vocab_size", "n_layer", "dim", "H_q", "H_kv", "head_dim", "hidden_dim", "tie_embeddings")
 
 
 # -----------------------------------------------------------------------------
 # Data: documents -> byte-level BPE -> token streams cached on disk
 
 
-def documents(data=None):
-    """(name, text) pairs: the UTF-8 text files under `data` (a file or a directory), else the standard
-    library's .py sources and pydoc topics. Files that are not text are skipped, and said so; input
-    that is mostly not text is refused."""
+def source_files(data=None):
+    """The files a corpus is read from: under `data` (a file or a directory), else the standard
+    library's .py sources (and pydoc_data's topics)."""
     if not data:
-        root = sysconfig.get_paths()["stdlib"]
-        paths = sorted(p for p in glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
-                       if "site-packages" not in p)
         from pydoc_data import topics
-        docs = [(f"pydoc:{k}", v) for k, v in sorted(topics.topics.items())]
-        for p in paths:
-            with open(p, encoding="utf-8", errors="replace") as f:
-                docs.append((p, f.read()))
-        return docs
+        root = sysconfig.get_paths()["stdlib"]
+        return sorted(p for p in glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
+                      if "site-packages" not in p) + [topics.__file__]
     paths = [data] if os.path.isfile(data) else sorted(
         p for p in glob.glob(os.path.join(data, "**", "*"), recursive=True) if os.path.isfile(p))
     if not paths:
         raise FileNotFoundError(f"--data {data!r}: no files found; give a text file or a directory of them")
+    return paths
+
+
+def corpus_id(data=None):
+    """A hash of the corpus's files (names, sizes, modification times): the cache of its token
+    streams is rebuilt when any of them changes, and a checkpoint records what it was trained on."""
+    h = hashlib.sha1()
+    for p in source_files(data):
+        st = os.stat(p)
+        h.update(f"{os.path.relpath(p, data or sysconfig.get_paths()['stdlib'])}|{st.st_size}|{st.st_mtime_ns}\n"
+                 .encode())
+    return h.hexdigest()[:12]
+
+
+def documents(data=None):
+    """(name, text) pairs: the UTF-8 text files under `data` (a file or a directory), else the standard
+    library's .py sources and pydoc topics. Files that are not text are skipped, and said so; input
+    that is mostly not text is refused."""
+    paths = source_files(data)
+    if not data:
+        from pydoc_data import topics
+        docs = [(f"pydoc:{k}", v) for k, v in sorted(topics.topics.items())]
+        for p in paths[:-1]:
+            with open(p, encoding="utf-8", errors="replace") as f:
+                docs.append((p, f.read()))
+        return docs
     docs, skipped, n_text, n_all = [], 0, 0, 0
     for p in paths:
         with open(p, "rb") as f:
@@ -166,12 +187,21 @@ def main(preset="tiny", attn="nosa", out=None, data=None, data_dir=None, steps=1
     if init_from and resume:
         raise ValueError("--init-from starts a new run; --resume continues one: give one of them")
     if init_from:
+        init_from = checkpoint.resolve(init_from)
+        if not checkpoint.is_checkpoint(init_from):
+            raise FileNotFoundError(f"--init-from {init_from}: no checkpoint there; train the model to start from "
+                                    f"first, e.g. `python train.py --attn full --out {init_from}`")
         init_model, init_tok = checkpoint.load(init_from, dtype=torch.float32)
+        shape = [k for k in overrides if k in SHAPE_FIELDS and overrides[k] != getattr(init_model.cfg, k)]
+        if shape:
+            raise ValueError(f"--set {shape[0]}={overrides[shape[0]]}: --init-from keeps the shape of {init_from} "
+                             f"({shape[0]}={getattr(init_model.cfg, shape[0])}); drop it, or start a new run")
         cfg = replace(init_model.cfg, attn=attn, **overrides)  # invalid configs fail here, before any work
     else:
         cfg = Config.from_preset(preset, attn=attn, **overrides)
     if seq_len > cfg.max_seq_len:
         raise ValueError(f"--seq-len {seq_len} exceeds the preset's max_seq_len {cfg.max_seq_len}")
+    checkpoint.check_out(out)  # before anything: never into checkpoints/, over the user's files, or unwritable
     if resume and not checkpoint.is_checkpoint(out):
         raise FileNotFoundError(f"--resume: no checkpoint in {out!r} to continue; drop --resume to start a run there")
     if not resume and not force and checkpoint.is_checkpoint(out):
@@ -194,7 +224,17 @@ def main(preset="tiny", attn="nosa", out=None, data=None, data_dir=None, steps=1
     device = checkpoint.pick_device(device)
     master = rank == 0
 
-    data_dir = os.path.join(data_dir, hashlib.sha1(f"{data}|{cfg.vocab_size}".encode()).hexdigest()[:10])
+    corpus = corpus_id(data)  # the cache follows the files: any change of them makes a new one
+    data_dir = os.path.join(data_dir, f"{corpus}-{cfg.vocab_size}")
+    run = dict(seq_len=seq_len, batch_size=batch_size * world, lr=lr, warmup=warmup, weight_decay=weight_decay,
+               grad_clip=grad_clip, seed=seed, evict_lr_mult=evict_lr_mult, corpus=corpus)  # what defines the run
+    if resume:  # continue exactly that run, or say which flag differs (older checkpoints lack some of these)
+        flag = dict(batch_size="--batch-size (times the processes)", corpus="--data (its files changed, or others)")
+        for key, value in run.items():
+            if key in state and state[key] != value:
+                raise ValueError(f"--resume: the run in {out} has {key}={state[key]!r}, this command {value!r}; give "
+                                 f"{flag.get(key, '--' + key.replace('_', '-'))} as that run did, or --out DIR for a "
+                                 f"new run")
     if master:
         tok = prepare(data_dir, cfg.vocab_size, data)
     if ddp:
@@ -243,39 +283,47 @@ def main(preset="tiny", attn="nosa", out=None, data=None, data_dir=None, steps=1
 
     n_params = sum(p.numel() for p in raw.parameters())
     if master:
-        print(f"{attn} | {n_params / 1e6:.2f}M parameters | {len(train_data) / 1e6:.1f}M train tokens | "
+        print(f"{attn} | {n_params / 1e6:.2f}M parameters | {len(train_data) / 1e6:.1f}M train tokens (corpus "
+              f"{data or 'stdlib'} {corpus}) | "
               f"{steps} steps x {batch_size * world} x {seq_len} tokens | {device} | checkpoints to {out}")
     t0, t_last, val_loss = time.time(), time.time(), None
     start = step
     stop_at = min(stop_at or steps, steps)
-    while step < stop_at:
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, steps, lr, warmup) * g.get("lr_mult", 1.0)
-        x, y = get_batch(train_data, batch_size, seq_len, seed, step, rank, device)
-        with torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"):
-            logits = model(x)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-        opt.step()
-        step += 1
-        if master and (step % log_every == 0 or step == steps):
-            dt = time.time() - t_last
-            t_last = time.time()
-            tps = log_every * batch_size * world * seq_len / dt
-            left = (time.time() - t0) / (step - start) * (steps - step)
-            print(f"step {step}/{steps} | loss {loss.item():.3f} | lr {lr_at(step, steps, lr, warmup):.2e} | "
-                  f"{tps:.0f} tokens/s | {left / 60:.1f} min left", flush=True)
-        if master and (step % eval_every == 0 or step == stop_at):
-            val_loss = evaluate(raw, val_data, batch_size, seq_len, device)
-            gates = (" | eviction gates A per layer: " + " | ".join(  # how far they moved from their zero start
-                " ".join(f"{a:+.2f}" for a in layer.self_attn.A.tolist()) for layer in raw.layers)) if evict else ""
-            print(f"step {step} | val loss {val_loss:.3f}{gates}", flush=True)
-            checkpoint.save(raw, tok, out, dtype=torch.bfloat16 if save_bf16 else None, optimizer=opt,
-                            train_state=dict(step=step, steps=steps, val_loss=val_loss, seed=seed, seq_len=seq_len,
-                                             batch_size=batch_size * world, attn=attn, data=data or "stdlib",
-                                             evict_lr_mult=evict_lr_mult, init_from=init_from))
+    saved = step if resume else None  # the step of the last checkpoint on disk
+    try:
+        while step < stop_at:
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, steps, lr, warmup) * g.get("lr_mult", 1.0)
+            x, y = get_batch(train_data, batch_size, seq_len, seed, step, rank, device)
+            with torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"):
+                logits = model(x)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+            opt.step()
+            step += 1
+            if master and (step % log_every == 0 or step == steps):
+                dt = time.time() - t_last
+                t_last = time.time()
+                tps = log_every * batch_size * world * seq_len / dt
+                left = (time.time() - t0) / (step - start) * (steps - step)
+                print(f"step {step}/{steps} | loss {loss.item():.3f} | lr {lr_at(step, steps, lr, warmup):.2e} | "
+                      f"{tps:.0f} tokens/s | {left / 60:.1f} min left", flush=True)
+            if master and (step % eval_every == 0 or step == stop_at):
+                val_loss = evaluate(raw, val_data, batch_size, seq_len, device)
+                gates = (" | eviction gates A per layer: " + " | ".join(  # how far they moved from their zero start
+                    " ".join(f"{a:+.2f}" for a in layer.self_attn.A.tolist()) for layer in raw.layers)) if evict else ""
+                print(f"step {step} | val loss {val_loss:.3f}{gates}", flush=True)
+                checkpoint.save(raw, tok, out, dtype=torch.bfloat16 if save_bf16 else None, optimizer=opt,
+                                train_state=dict(step=step, steps=steps, val_loss=val_loss, attn=attn, **run,
+                                                 data=data or "stdlib", train_tokens=len(train_data),
+                                                 init_from=init_from))
+                saved = step
+    except KeyboardInterrupt:  # Ctrl-C: say where the run can be continued from
+        where = (f"the last checkpoint, step {saved}, is in {out}: --resume continues it" if saved is not None
+                 else "no checkpoint was saved yet")
+        raise KeyboardInterrupt(f"training stopped at step {step}; {where}") from None
     if master and step == steps:
         print(f"done: generate with `python generate.py --checkpoint {out}`")
     if ddp:  # leave without freeing the DDP wrapper: its process group's destructor joins the gloo threads

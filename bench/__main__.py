@@ -1,11 +1,14 @@
-"""python -m bench WHAT: see bench/__init__.py."""
+"""python -m bench WHAT from the repository, or python PATH/TO/bench WHAT from anywhere: see bench/__init__.py."""
 import argparse
 import json
 import os
+import sys
 
-import torch
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository's modules
 
-import checkpoint
+import torch  # noqa: E402
+
+import checkpoint  # noqa: E402
 from bench import eviction, gather, kernels, plot, quality
 from bench import requests as requests_
 from bench import throughput as throughput_

@@ -64,6 +64,6 @@ def bench_eviction(checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, windows=8, T=10
         for i, layer in enumerate(model.layers):
             q, k, _, c = layer.self_attn.qkvc(layer.input_layernorm(x), rope)
             shares[i] += torch.tensor(layer_shares(q, k, c, cfg, t0, g)) / windows
-            x = layer(x, i, rope)
+            x = layer(x, rope)
     return [dict(layer=i, core_by_E=round(e, 3), by_recency=round(r, 3), at_random=round(a, 3), blocks=cfg.n_core)
             for i, (e, r, a) in enumerate(shares.tolist())]

@@ -85,3 +85,10 @@ def test_requests_bench_small():
     for r in rows:
         assert r["G16"]["total_s"] > 0 and r["decode_tokens_s"] > 0 and r["ttft_one_s"] > 0
     assert by["full, resident cache"]["G16"]["vs_full"] == 1.0
+
+
+def test_eviction_bench_on_the_embedded_model():
+    """python -m bench eviction end to end (one short window): a share per layer, each between 0 and 1."""
+    from bench.eviction import bench_eviction
+    rows = bench_eviction(windows=1, T=400)
+    assert len(rows) == 4 and all(0 <= r[k] <= 1 for r in rows for k in ("core_by_E", "by_recency", "at_random"))

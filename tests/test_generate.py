@@ -176,3 +176,16 @@ def test_prefill_and_decode_stay_within_the_memory_model():
     torch.cuda.synchronize()
     used = torch.cuda.max_memory_allocated() - base
     assert used <= offload.decode_bytes(cfg, 2, P + 64, torch.bfloat16), used
+
+
+def test_same_behaviour_from_any_directory(tmp_path, monkeypatch, capsys):
+    """A relative --checkpoint is the working directory's where it exists there, else the
+    repository's (where train.py writes out/); an unwritable --profile fails before any work."""
+    monkeypatch.chdir(tmp_path)
+    out = generate.main(checkpoint_dir=os.path.join("checkpoints", "tiny-nosa"), max_new_tokens=3, device="cpu",
+                        quiet=True)
+    assert len(out[0]) == 3
+    with pytest.raises(SystemExit):
+        generate.cli(["--device", "cpu", "--profile", str(tmp_path / "no" / "dir" / "t.json")])
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--profile" in err and "cannot write it" in err

@@ -71,7 +71,10 @@ def test_bad_checkpoints_fail_clearly(corpus, tmp_path):
     with pytest.raises(ValueError, match="does not match its config"):
         checkpoint.load(out)
     json.dump({**cfg, "k": 2}, open(os.path.join(out, "config.json"), "w"))
-    with pytest.raises(ValueError, match="not a valid NOSA config"):
+    with pytest.raises(ValueError, match="config.json: invalid NOSA config: k_e = k - k_q"):
+        checkpoint.load(out)
+    json.dump({**cfg, "k": 16.5}, open(os.path.join(out, "config.json"), "w"))
+    with pytest.raises(ValueError, match="k=16.5 must be an integer"):
         checkpoint.load(out)
     json.dump({**cfg, "head_dim": 8}, open(os.path.join(out, "config.json"), "w"))
     with pytest.raises(ValueError, match="has shape"):
@@ -183,7 +186,7 @@ def test_data_that_is_not_text_is_refused(tmp_path, corpus):
     (["--seq-len", "0"], "--seq-len 0"),
     (["--steps", "0"], "--steps 0"),
     (["--lr", "-1"], "--lr -1.0: must be positive"),
-    (["--out", checkpoint.DEFAULT_CHECKPOINT], "already holds a checkpoint"),
+    (["--out", checkpoint.DEFAULT_CHECKPOINT], "training never writes into"),
 ] + ([(["--device", "cuda"], "sees no CUDA device")] if not torch.cuda.is_available() else []))
 def test_train_flags_fail_in_one_line(argv, msg, capsys):
     with pytest.raises(SystemExit) as e:
@@ -209,3 +212,110 @@ def test_init_from_a_dense_model(corpus, tmp_path):
     assert state["init_from"] == str(tmp_path / "full")
     with pytest.raises(ValueError, match="--init-from starts a new run"):
         train.main(out=str(tmp_path / "nosa"), resume=True, init_from=str(tmp_path / "full"), **kw)
+
+
+def test_out_never_replaces_what_is_not_ours(corpus, tmp_path):
+    """--out may only ever replace a checkpoint of ours: a directory of the user's files, a parent of
+    checkpoints (the typo --out out/), the user's files beside a checkpoint, the repository's
+    checkpoints/ and an unwritable place are refused in one line before training, --force or not,
+    and nothing of theirs is touched; a saved model is as readable as the files beside it."""
+    kw = dict(data=corpus, data_dir=str(tmp_path / "data"), steps=2, eval_every=1, **run, **small)
+    user = tmp_path / "user"
+    (user / "sub").mkdir(parents=True)
+    (user / "notes.txt").write_text("notes")
+    (user / "sub" / "thesis.tex").write_text("x")
+    for force in (False, True):
+        with pytest.raises(FileExistsError, match="holds notes.txt, sub, which is not a checkpoint of ours"):
+            train.main(out=str(user), force=force, **kw)
+    assert (user / "notes.txt").read_text() == "notes" and (user / "sub" / "thesis.tex").read_text() == "x"
+    runs = tmp_path / "runs"
+    train.main(out=str(runs / "a"), **kw)
+    with pytest.raises(FileExistsError, match="holds a, which is not a checkpoint"):
+        train.main(out=str(runs), force=True, **kw)
+    (runs / "a" / "notes.txt").write_text("mine")
+    for flags in (dict(force=True), dict(resume=True, steps=4)):
+        with pytest.raises(FileExistsError, match="holds notes.txt"):
+            train.main(out=str(runs / "a"), **{**kw, **flags})
+    assert (runs / "a" / "notes.txt").read_text() == "mine" and checkpoint.is_checkpoint(str(runs / "a"))
+    with pytest.raises(FileExistsError, match="not a checkpoint of ours: not replaced"):  # save itself refuses too
+        checkpoint.save(train.Transformer(checkpoint.load(str(runs / "a"))[0].cfg), checkpoint.byte_tokenizer(),
+                        str(runs / "a"))
+    assert (runs / "a" / "notes.txt").read_text() == "mine"
+    with pytest.raises(ValueError, match="training never writes into"):
+        train.main(out=os.path.join(checkpoint.ROOT, "checkpoints", "tiny-nosa"), force=True, **kw)
+    with pytest.raises(PermissionError, match="cannot write in"):
+        train.main(out=str(user / "notes.txt" / "run"), **kw)
+    mode = lambda name: os.stat(runs / "b" / name).st_mode & 0o777
+    train.main(out=str(runs / "b"), **kw)
+    assert mode("model.safetensors") == mode("config.json")
+
+
+def test_the_corpus_cache_follows_its_files(corpus, tmp_path):
+    """The token streams are cached by the files' identity (names, sizes, times), not by the --data
+    path: a directory that was too small trains once text is added to it."""
+    d = tmp_path / "texts"
+    d.mkdir()
+    (d / "a.py").write_text("x = 1\n" * 20)
+    kw = dict(data=str(d), data_dir=str(tmp_path / "data"), steps=1, eval_every=1, **run, **small)
+    with pytest.raises(ValueError, match="corpus too small"):
+        train.main(out=str(tmp_path / "ck"), **kw)
+    for name in os.listdir(corpus):  # some 300 KB more
+        (d / name).write_text(open(os.path.join(corpus, name)).read())
+    train.main(out=str(tmp_path / "ck"), **kw)
+    state = json.load(open(tmp_path / "ck" / "train_state.json"))
+    assert state["corpus"] == train.corpus_id(str(d)) and state["train_tokens"] > 10000
+
+
+def test_resume_refuses_another_run(corpus, tmp_path):
+    """--resume continues exactly the run saved: a different length, batch, learning rate, warm-up or
+    corpus is refused in one line that names the flag."""
+    kw = dict(data=corpus, data_dir=str(tmp_path / "data"), steps=4, eval_every=2, stop_at=2, **run, **small)
+    out = str(tmp_path / "ck")
+    train.main(out=out, **kw)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "a.py").write_text(open(os.path.join(corpus, "argparse.py")).read())
+    for change, flag in ((dict(seq_len=64), "--seq-len"), (dict(batch_size=2), "--batch-size"), (dict(lr=1e-3), "--lr"),
+                         (dict(warmup=5), "--warmup"), (dict(data=str(other)), "--data")):
+        with pytest.raises(ValueError, match=f"--resume: the run in .* give {flag}"):
+            train.main(out=out, resume=True, **{**kw, **change, "stop_at": None})
+    train.main(out=out, resume=True, **{**kw, "stop_at": None})
+    assert json.load(open(os.path.join(out, "train_state.json")))["step"] == 4
+
+
+def test_checks_before_work_and_one_line_errors(corpus, tmp_path, monkeypatch, capsys):
+    """Ctrl-C in training says where the last checkpoint is (exit 130); --init-from a missing dense
+    model says how to train it, and --set cannot change its shape; a checkpoint whose tensors are
+    integers or hold NaN, or a file given as a checkpoint, is one line."""
+    out = str(tmp_path / "ck")
+    argv = [f"--out={out}", f"--data={corpus}", f"--data-dir={tmp_path / 'data'}", "--steps=6", "--eval-every=2",
+            "--seq-len=128", "--device=cpu"] + [f"--set={k}={v}" for k, v in small.items()]
+    real = train.get_batch
+
+    def interrupt(data, batch_size, T, seed, step, rank, device):  # Ctrl-C as training step 3 (0-based) begins
+        if step == 3 and seed != 0:  # (evaluation draws with seed 0)
+            raise KeyboardInterrupt
+        return real(data, batch_size, T, seed, step, rank, device)
+
+    monkeypatch.setattr(train, "get_batch", interrupt)
+    with pytest.raises(SystemExit) as e:
+        train.cli(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 130 and err.count("\n") == 1, err
+    assert f"training stopped at step 3; the last checkpoint, step 2, is in {out}: --resume continues it" in err
+    monkeypatch.setattr(train, "get_batch", real)
+    with pytest.raises(FileNotFoundError, match="train the model to start from first, e.g. `python train.py --attn full"):
+        train.main(out=str(tmp_path / "n"), init_from=str(tmp_path / "no-full"), data=corpus, **run, **small)
+    with pytest.raises(ValueError, match="--set dim=32: --init-from keeps the shape"):
+        train.main(out=str(tmp_path / "n"), init_from=out, data=corpus, data_dir=str(tmp_path / "data"),
+                   **run, **{**small, "dim": 32})
+    import safetensors.torch
+    weights = os.path.join(out, "model.safetensors")
+    sd = safetensors.torch.load_file(weights)
+    name = next(iter(sd))
+    for bad, msg in ((sd[name].to(torch.int32), "is stored as I32"), (sd[name] * float("nan"), "NaN or infinite")):
+        safetensors.torch.save_file({**sd, name: bad}, weights)
+        with pytest.raises(ValueError, match=msg):
+            checkpoint.load(out)
+    with pytest.raises(FileNotFoundError, match="is a file, not a checkpoint directory"):
+        checkpoint.load(os.path.join(ROOT, "README.md"))
