@@ -48,26 +48,29 @@ def eviction_block_scores(c_sub, nb, cfg):
 
 def rank_desc(score, valid):
     """Rank (0 = best) of every entry along the last dim among the `valid` ones, ordered by score,
-    ties broken towards the larger (more recent) block index; invalid entries get rank n.
+    ties broken towards the larger (more recent) block index; invalid entries get rank n. Valid
+    entries of score -inf still rank (by recency), before every invalid one.
     A strict total order makes top-k deterministic, so training and decoding pick the same blocks."""
     n = score.shape[-1]
     s = score.masked_fill(~valid, float("-inf")).flip(-1)  # flip: among equals, later block first
     order = torch.sort(s, dim=-1, descending=True, stable=True).indices
+    valid_first = torch.sort((~valid.flip(-1)).gather(-1, order).to(torch.uint8), dim=-1, stable=True).indices
+    order = order.gather(-1, valid_first)  # the invalid entries after every valid one
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=score.device).expand_as(order))
     return rank.flip(-1).masked_fill(~valid, n)
 
 
 def top_desc(score, valid, n):
     """rank_desc(score, valid) < n, the n best valid entries, without sorting the row: the n-th best
-    score by top-k, then the entries tied with it taken from the most recent block down, as many as
-    there is room for (invalid entries count among -inf ties, as in rank_desc)."""
+    score by top-k, then the valid entries tied with it taken from the most recent block down, as
+    many as there is room for (valid entries of score -inf fill it by recency, as in rank_desc)."""
     score, valid = torch.broadcast_tensors(score, valid)
     nb = score.shape[-1]
     if n <= 0 or n >= nb:
         return valid & (n > 0)
     s = score.masked_fill(~valid, float("-inf"))
     kth = s.topk(n, dim=-1, sorted=False).values.amin(-1, keepdim=True)  # (..., 1) the n-th best
-    above, tie = s > kth, s == kth
+    above, tie = valid & (s > kth), valid & (s == kth)
     room = n - above.sum(-1, keepdim=True)
     return valid & (above | tie & (tie.flip(-1).cumsum(-1, dtype=torch.int32).flip(-1) <= room))
 

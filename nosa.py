@@ -292,7 +292,7 @@ def _select_step_kernel(QS, IDS, POS, OUT, nb, H_kv: tl.constexpr, NBP: tl.const
         # above, number KQ or more. Keys as unsigned (sign bit flipped), so bytes order as keys do.
         u = key ^ -2**31
         d = tl.arange(0, 256)
-        match, n_gt, kth = in_row, 0, tl.full([], 0, tl.int32)  # keys agreeing so far; keys above kth
+        match, n_gt, kth = cand, 0, tl.full([], 0, tl.int32)  # candidates agreeing so far; keys above kth
         for i in tl.static_range(4):
             digit = (u >> (24 - 8 * i)) & 0xFF
             h = tl.histogram(tl.where(match, digit, 0), 256)  # bin 0 also counts the others: never read
@@ -302,7 +302,7 @@ def _select_step_kernel(QS, IDS, POS, OUT, nb, H_kv: tl.constexpr, NBP: tl.const
             match = match & (digit == best)
             kth = kth | (best << (24 - 8 * i))
         kth = kth ^ -2**31
-        above, tie = in_row & (key > kth), in_row & (key == kth)
+        above, tie = cand & (key > kth), cand & (key == kth)  # candidates of score -inf still count
         room = KQ - tl.sum(above.to(tl.int32), 0)
         later = tl.cumsum(tie.to(tl.int32), 0, reverse=True)  # ties at this block or after it
         b0 = tl.min(tl.where(tie & (later <= room), b, NBP), 0)  # the earliest tie taken

@@ -258,3 +258,29 @@ def test_selection_from_block_lists_equals_the_definition(cfg, data, attn):
     want = nosa.select_blocks(Q, E, q_pos[:, None], cfg)
     got = nosa.select_blocks(Q, None, q_pos[:, None], cfg, nosa.core_lists(E, q_pos, cfg))
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("inf_in", ["Q", "E", "both"])
+def test_minus_inf_scores_still_fill_the_budget(inf_in):
+    """The rule for scores of -inf: a candidate of score -inf is still a candidate, and fills the
+    budget by recency; blocks that are no candidates never do. So Γ(t) has min(k, causal) blocks, and
+    the definition, the per-query-block lists, the decode step's torch code and its kernel agree
+    (tiny preset, position 403: 26 causal blocks, 20 candidates)."""
+    cfg = Config.from_preset("tiny")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    nb, t = 30, 403
+    g = torch.Generator().manual_seed(0)
+    Q, E = torch.rand(1, 2, 1, nb, generator=g), torch.rand(1, 2, nb, generator=g)
+    if inf_in in ("Q", "both"):
+        Q[..., 1:21] = float("-inf")
+    if inf_in in ("E", "both"):
+        E[..., 1:21] = float("-inf")
+    pos = torch.tensor([[t]])
+    want = nosa.select_blocks(Q, E, pos[:, None], cfg)
+    assert (want.sum(-1) == cfg.k).all() and not want[..., t // cfg.B + 1:].any()
+    lists = nosa.core_lists(E, pos, cfg)
+    assert torch.equal(nosa.select_blocks(Q, None, pos[:, None], cfg, lists), want)
+    row_list = lists[:, :, 0]  # what decoding keeps, one list per row
+    assert torch.equal(nosa.select_step_torch(Q, row_list, pos, cfg), want)
+    got = nosa.select_step_triton(Q.to(dev), row_list.to(dev), pos.to(dev), cfg)
+    assert torch.equal(got.cpu(), want)
