@@ -13,13 +13,12 @@ c depends on token j alone, so it is computed once, when the token is written, a
 It plays two roles: an additive logit bias (ED-DMA: logit = q·k/√d + c_j; DMA: + exp(c_j)), which
 is the only path through which A and W_δ receive gradient, and, pooled, the block score E.
 
-The eviction policy. E[b] is final once block b is a candidate (pooling.py), and candidates only
-ever join C (a block leaves the window), so with a fixed core size the core changes only at a block
-boundary, and then only by letting the newcomer compete with the current members: the weakest of
-the two sides is *evicted*, and an evicted block can never come back, because everything that beat
-it stays. `evict` is that rule on a mask over all blocks; `core_blocks` computes the same set from
-scratch, which is what the parallel (training) forward does; `join_core_list` is the rule as
-decoding runs it, on a short list per row; tests check that they agree and that evictions are final.
+The eviction policy (docs/METHOD.md §5 has why it holds). E[b] is final once block b is a candidate,
+and candidates only join, so the core changes only at a block boundary, by letting the newcomer
+compete with the members: the weakest is *evicted* for good. `core_blocks` is the core from scratch
+(the definition); `core_list` the short list of the best candidates from scratch (the parallel
+forward makes one per query block: nosa.core_lists); `join_core_list` the policy as decoding runs it
+on that list. The tests check that they agree and that an evicted block never comes back.
 """
 import torch
 import torch.nn.functional as F
@@ -78,15 +77,6 @@ def top_desc(score, valid, n):
 def core_blocks(E, cand, n_core):
     """The core from scratch: the n_core best candidate blocks by E. E (..., nb), cand bool (..., nb)."""
     return cand & (rank_desc(E, cand) < n_core)
-
-
-def evict(core, E, b_new, n_core):
-    """The eviction policy at one block boundary: block b_new has just left the window and competes
-    with the current core (bool mask over blocks, (nb,)). The best n_core of them stay; the block
-    that drops out (if any) is evicted for good."""
-    members = core.clone()
-    members[b_new] = True
-    return members & (rank_desc(E, members) < n_core)
 
 
 # -----------------------------------------------------------------------------

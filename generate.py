@@ -263,21 +263,21 @@ def main(checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, prompt=DEFAULT_PROMPT, ma
         torch.cuda.synchronize()
         if offload:
             cache.reset_stats()
-    stream = Stream(tokenizer, model.eos_ids) if batch == 1 and not quiet and not prompt_len else None
-    if stream:
+    printer = Printer(tokenizer, model.eos_ids) if batch == 1 and not quiet and not prompt_len else None
+    if printer:
         print(prompts[0], end="", flush=True)
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
         [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])) if profile else None
     progress = PrefillProgress([len(p) for p in ids], device, quiet)
     with prof or contextlib.nullcontext():
         out = generate(model, ids, max_new_tokens, temperature, top_k, cache=cache, eos_ids=model.eos_ids,
-                       on_token=stream, chunk=chunk, on_prefill=progress, stream_on_host=on_host)
+                       on_token=printer, chunk=chunk, on_prefill=progress, stream_on_host=on_host)
         if device.type == "cuda":
             torch.cuda.synchronize()
         t_end = time.perf_counter()
     if prof:
         prof.export_chrome_trace(profile)
-    if stream:
+    if printer:
         print("\n---")
     elif not quiet:
         for i, seq in enumerate(out):
@@ -340,7 +340,7 @@ class PrefillProgress:
                   f"{(total - n) / rate:.0f} s left", file=sys.stderr, flush=True)
 
 
-class Stream:
+class Printer:
     """Prints the text of a single sequence as its tokens arrive: the decoded text grows by whole
     characters (a byte-level token may end inside one), and stops at the end of the sequence."""
 

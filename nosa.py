@@ -22,19 +22,12 @@ How the budget splits (the authors' reading, which makes the theorem hold at eve
     before q_t, and the *core*, the n_core = k_e - n_sink - n_win best candidates by E
     (eviction.py); core members that Q already picked are replaced by the next best by E.
 
-Locality (docs/METHOD.md §5): γ(t) = |Γ(t) ∩ Γ(t-1)| / |Γ(t)| >= k_e / k at every step. The k_e
-query-agnostic blocks of Γ(t) were all selected at t-1: the sinks always are; the window blocks
-before q_t were in the window (or were the own block) at t-1; and E never changes once a block is a
-candidate, while candidates only join (a block leaves the window at a block boundary), so the core
-at t is drawn from the core at t-1 plus the block that just left the window, which was selected at
-t-1 too. Hence at most k - k_e - 1 = k_q - 1 blocks per (sequence, layer, KV head) are new at a
-step besides the query's own block, which is the tail being written and is on the GPU anyway
-(offload.py): that is the most that crosses PCIe per step, whatever Q does. The definition
-(select_blocks from E) ranks all candidates by E at every position; because scores are fixed and
-candidates only join, a block that drops out of the core can never return. Both paths select from
-a short list of the best candidates by E instead: the parallel forward makes it from scratch once
-per query block (core_lists), decoding keeps it by that eviction policy (eviction.join_core_list);
-the tests check that both select what the definition selects.
+Locality: γ(t) = |Γ(t) ∩ Γ(t-1)| / |Γ(t)| >= k_e / k at every step, so at most k_q - 1 blocks per
+(sequence, layer, KV head) are new at a step besides the query's own (docs/METHOD.md §5 proves it).
+The definition (select_blocks from E) ranks all candidates by E at every position; both paths
+select from a short list of the best candidates by E instead: the parallel forward makes it from
+scratch once per query block (core_lists), decoding keeps it by the eviction policy
+(eviction.join_core_list); the tests check that both select what the definition selects.
 
 Attention modes (docs/METHOD.md §7), all from the same code:
   full      all causal tokens, no bias
@@ -197,16 +190,6 @@ def select_blocks(Q, E, q_pos, cfg, core_ids=None):
         pick_e = torch.zeros_like(pick_q)
     few = causal.sum(-1, keepdim=True) <= cfg.k  # fewer than k causal blocks: take them all
     return torch.where(few, causal, forced | pick_q | pick_e)
-
-
-def core_mask(E, q_pos, cfg):
-    """The query-agnostic core at each position (..., T, nb): the top n_core candidates by E.
-    Γ(t) contains it (plus F(t)) whenever more than k blocks are causal; used by the tests."""
-    nb = E.shape[-1]
-    b = torch.arange(nb, device=E.device)
-    q_blk = (q_pos // cfg.B)[..., None]
-    cand = (b >= cfg.n_sink) & (b < q_blk - cfg.n_win)
-    return eviction.core_blocks(E.unsqueeze(-2).expand(*cand.shape), cand, cfg.n_core)
 
 
 SELECT_ROWS = 2048  # queries scored and selected at a time: the temporaries are (SELECT_ROWS, nb), whatever T

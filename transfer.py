@@ -158,16 +158,11 @@ def set_difference(need, slot_block, block_slot, fetch):
     (ext.set_difference if ext else set_difference_torch)(need, slot_block, block_slot, fetch)
 
 
-GATHER_CTAS = os.environ.get("NOSA_GATHER_CTAS")  # set: the gather's thread blocks (0: one per unit)
-
-
 def gather_ctas(unit_bytes):
-    """Thread blocks for the gather: 16, and 256 KiB / unit for units under 16 KiB (64 for 4 KiB), the
-    fewest that kept PCIe as busy as one block per unit (python -m bench gather, with a kernel that
-    had one unit in flight per block; the current one keeps 32 KiB in flight whatever the unit, so
-    small units may need fewer: not measured). Few blocks leave the other SMs to the kernels of a
-    micro-batch running beside the gather (generate.GraphedDecode)."""
-    return int(GATHER_CTAS) if GATHER_CTAS is not None else max(16, 2**18 // min(unit_bytes, 2**14))
+    """Thread blocks for the gather: 16, and 256 KiB / unit for units under 16 KiB (64 for 4 KiB): about
+    256 KiB of loads in flight keep PCIe busy, and few blocks leave the other multiprocessors to the
+    kernels of a micro-batch running beside the gather (generate.GraphedDecode)."""
+    return max(16, 2**18 // min(unit_bytes, 2**14))
 
 
 def gather_units(host, pool, fetch):

@@ -11,6 +11,24 @@ from nosa import Config
 
 paper = Config.from_preset("paper")
 
+def core_mask(E, q_pos, cfg):
+    """The query-agnostic core at each position (..., T, nb): the top n_core candidates by E.
+    Γ(t) contains it (plus F(t)) whenever more than k blocks are causal."""
+    nb = E.shape[-1]
+    b = torch.arange(nb, device=E.device)
+    q_blk = (q_pos // cfg.B)[..., None]
+    cand = (b >= cfg.n_sink) & (b < q_blk - cfg.n_win)
+    return eviction.core_blocks(E.unsqueeze(-2).expand(*cand.shape), cand, cfg.n_core)
+
+
+def evict(core, E, b_new, n_core):
+    """The eviction policy at one block boundary: block b_new has just left the window and competes
+    with the current core (bool mask over blocks, (nb,)). The best n_core of them stay; the block
+    that drops out (if any) is evicted for good."""
+    members = core.clone()
+    members[b_new] = True
+    return members & (eviction.rank_desc(E, members) < n_core)
+
 
 @st.composite
 def configs(draw):
@@ -43,7 +61,7 @@ def decode_selections(cfg, E, n_steps, strategy, seed):
         Q = {"adversarial": (~prev).double(), "evicted": evicted.double(), "random": 0.0}[strategy] + 0.1 * noise
         pos = torch.full((R, 1), t)
         sel = nosa.select_blocks(Q[:, None], E, pos, cfg)[:, 0]
-        core = nosa.core_mask(E, pos, cfg)[:, 0]
+        core = core_mask(E, pos, cfg)[:, 0]
         if prev_core is not None:
             evicted |= prev_core & ~core
         out.append((t, sel, core))
@@ -77,7 +95,7 @@ def check_locality(cfg, E, steps):
             if n_causal > cfg.k + 1:
                 # the eviction policy, applied incrementally, gives the same core
                 if pt // cfg.B != q_blk:
-                    assert torch.equal(eviction.evict(pcore[r], E[r], q_blk - cfg.n_win - 1, cfg.n_core), core[r])
+                    assert torch.equal(evict(pcore[r], E[r], q_blk - cfg.n_win - 1, cfg.n_core), core[r])
                 else:
                     assert torch.equal(pcore[r], core[r])
     ever = torch.zeros_like(E, dtype=torch.bool)
