@@ -4,9 +4,9 @@ KV caches for step-by-step decoding: the interface a decode step talks to, and t
 Notation: Bz sequences, H_kv KV heads of dim d, S cached positions, c eviction scores (eviction.py),
 K̃ / c̃ the pooled caches scoring reads (pooling.py): M = complete sub-blocks.
 
-A cache offers, per layer, what model.Attention.decode calls, in this order:
+A cache offers, per layer, what nosa.nosa_decode calls, in this order:
   append(layer, k, v, c)        write the new token of every sequence at its position `len`
-  sub[layer]                    the pooled caches (K̃, c̃) the selection scores from
+  sub.pooled(layer)             K̃ and the eviction list the selection reads
   n_blocks()                    how many blocks selection ranges over
   attend(layer, q, block_mask)  attention of q over the selected blocks Γ(t)
 and prefill(layer, seq, k, v, c) for a prompt, advance() after a step, finish(done) for sequences
@@ -112,8 +112,10 @@ class SubBlockCache:
         self.core_ids = [torch.full((Bz, H, n), -1, dtype=torch.long, device=device) for _ in range(L)] if n else None
         self.core_E = [torch.full((Bz, H, n), float("-inf"), dtype=cdt, device=device) for _ in range(L)] if n else None
 
-    def __getitem__(self, layer):
-        return self.K_sub[layer], self.c_sub[layer]
+    def pooled(self, layer):
+        """What a decode step selects from: K̃ (Bz, H_kv, M, d) and each row's list of its best
+        candidates by E (Bz, H_kv, n), or None in a mode without E-picks."""
+        return self.K_sub[layer], self.core_ids[layer] if self.core_ids else None
 
     def rows(self, a, b):
         """The caches of sequences a..b-1 (views; see offload.OffloadCache.split)."""

@@ -15,7 +15,6 @@ checkpoints map onto this model one to one (checkpoint.py).
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.profiler import record_function
 
 import eviction
 import fusion
@@ -113,16 +112,8 @@ class Attention(nn.Module):
     def decode(self, q, k, v, c, layer, cache):
         """One token per sequence, each at its own position cache.len: q (Bz, H_q, 1, d), k, v
         (Bz, H_kv, 1, d), c (Bz, H_kv, 1) or None from qkvc -> the attention output (Bz, 1, H_q * d)."""
-        cfg, Bz = self.cfg, q.shape[0]
-        cache.append(layer, k[:, :, 0], v[:, :, 0], None if c is None else c[:, :, 0])
-        block_mask = None
-        if cfg.sparse:
-            with record_function("selection"):  # exactly as the parallel forward selects, from the pooled caches
-                K_sub, _ = cache.sub[layer]
-                core_ids = cache.sub.core_ids[layer] if cache.sub.core_ids else None  # E's best candidates
-                block_mask = nosa.select(q, K_sub, core_ids, cache.len[:, None], cache.n_blocks(), cfg)
-        o = cache.attend(layer, q, block_mask)  # (Bz, H_q, 1, d)
-        return o.transpose(1, 2).reshape(Bz, 1, -1)
+        o = nosa.nosa_decode(q, k, v, c, layer, cache, self.cfg)  # (Bz, H_q, 1, d)
+        return o.transpose(1, 2).reshape(q.shape[0], 1, -1)
 
 
 class MLP(nn.Module):

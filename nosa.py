@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass, fields, replace
 import torch
 import triton
 import triton.language as tl
+from torch.profiler import record_function
 
 import attention
 import eviction
@@ -344,3 +345,20 @@ def nosa_attention(q, k, v, c, cfg, start=0, pooled=None):
         block_mask = torch.cat(parts, 2) if len(parts) > 1 else parts[0]
     bias = None if c is None else eviction.attention_bias(c, cfg.attn)
     return attention.sparse_attention(q, k, v, bias, block_mask, q_pos, cfg), block_mask
+
+
+def nosa_decode(q, k, v, c, layer, cache, cfg):
+    """The decode half of one attention layer, beside the training half (nosa_attention): one new token
+    per sequence, each at its own position cache.len. Its k, v, c join the cache (and the pooled caches
+    and the eviction list, kvcache.SubBlockCache.append); Γ(t) is selected by the same select as the
+    parallel forward, from K̃ and the row's list of its best candidates by E; attention runs over the
+    selected blocks (the GPU slot pool of offload.OffloadCache, or a resident kvcache.KVCache).
+
+    q (Bz, H_q, 1, d), k, v (Bz, H_kv, 1, d), c (Bz, H_kv, 1) or None -> the output (Bz, H_q, 1, d)."""
+    cache.append(layer, k[:, :, 0], v[:, :, 0], None if c is None else c[:, :, 0])
+    block_mask = None
+    if cfg.sparse:
+        with record_function("selection"):
+            K_sub, core_ids = cache.sub.pooled(layer)
+            block_mask = select(q, K_sub, core_ids, cache.len[:, None], cache.n_blocks(), cfg)
+    return cache.attend(layer, q, block_mask)

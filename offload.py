@@ -14,7 +14,7 @@ tail block, the one being written.
   c            (Bz, H_kv, S)      the eviction score of every token stays on the GPU (1/2d of K+V),
                                   as do the pooled caches K̃ and c̃ that scoring reads (kvcache.SubBlockCache)
 
-Per decode step and layer (model.Attention.decode calls append, then attend):
+Per decode step and layer (nosa.nosa_decode calls append, then attend):
   1. append     write k, v into the tail, c into its cache, update K̃ / c̃
   2. select     Γ(t), exactly as in training (nosa.select_blocks)
   3. set_difference   the selected non-tail blocks against the resident ones: free the slots of
