@@ -200,6 +200,74 @@ def join_window_leaver(core_ids, core_E, c_sub, pos, cfg):
     core_E.copy_(E)
 
 
+class KVCache(Cache):
+    """The whole cache on one device: K, V (Bz, H_kv, S, d) per layer, and what the mode needs besides:
+    eviction scores c (Bz, H_kv, S) for nosa and dma, the pooled caches for the sparse modes, none of
+    it for full attention. With max_len, the buffers are allocated once for max_len tokens and sparse
+    modes attend over all of them (static shapes, so a decode step can be a CUDA graph:
+    generate.GraphedDecode); without, they grow with the sequences."""
+
+    def __init__(self, cfg, Bz, device, dtype, max_len=None):
+        super().__init__(Bz, device)
+        self.cfg, self.max_len = cfg, max_len
+        L, H, d, S = cfg.n_layer, cfg.H_kv, cfg.head_dim, max_len or 0
+        self.k = [torch.zeros(Bz, H, S, d, device=device, dtype=dtype) for _ in range(L)]
+        self.v = [torch.zeros(Bz, H, S, d, device=device, dtype=dtype) for _ in range(L)]
+        cdt = torch.promote_types(dtype, torch.float32)
+        self.c = [torch.zeros(Bz, H, S if cfg.eviction_head else 0, device=device, dtype=cdt) for _ in range(L)]
+        self.sub = SubBlockCache(cfg, Bz, device, dtype, S) if cfg.sparse else None
+
+    def prefill(self, layer, seq, k, v, c):
+        T = k.shape[1]
+        self._grow(layer, T)
+        self.k[layer][seq, :, :T], self.v[layer][seq, :, :T] = k, v
+        if c is not None:
+            self.c[layer][seq, :, :T] = c
+        if self.sub:
+            self.sub.prefill(layer, seq, k, c)
+        if layer == self.cfg.n_layer - 1:
+            self.set_length(seq, T)
+
+    def capacity(self):
+        """Positions below which a decode step keeps its shapes (GraphedDecode); 0: they change every step."""
+        return self.max_len or 0
+
+    def S(self):  # tokens attention spans: all preallocated ones (static shapes), else exactly the context
+        return max(self.capacity(), int(self.len_cpu.max()) + 1)
+
+    def n_blocks(self):  # the blocks selection ranges over
+        return pooling.n_blocks(self.S(), self.cfg)
+
+    def append(self, layer, k, v, c):
+        pos, rows = self.len, torch.arange(k.shape[0], device=k.device)
+        max_pos = int(self.len_cpu.max())
+        self._grow(layer, max_pos + 1)
+        self.k[layer][rows, :, pos], self.v[layer][rows, :, pos] = k, v
+        if c is not None:
+            self.c[layer][rows, :, pos] = c
+        if self.sub:
+            self.sub.append(layer, k, c, pos, max_pos)
+
+    def attend(self, layer, q, block_mask):
+        """q (Bz, H_q, 1, d) at positions self.len -> (Bz, H_q, 1, d) over the cached tokens."""
+        S = self.S()
+        with record_function("attention"):
+            if not self.cfg.sparse:
+                return decode.dense_decode(q, self.k[layer][:, :, :S], self.v[layer][:, :, :S], self.len)
+            bias = eviction.attention_bias(self.c[layer][:, :, :S], self.cfg.attn) if self.cfg.eviction_head else None
+            return decode.sparse_decode(q, self.k[layer][:, :, :S], self.v[layer][:, :, :S], bias, block_mask,
+                                        self.len, self.cfg.B, self.cfg.k)
+
+    def _grow(self, layer, n):
+        self.k[layer], self.v[layer] = grow(self.k[layer], n, 2), grow(self.v[layer], n, 2)
+        if self.cfg.eviction_head:
+            self.c[layer] = grow(self.c[layer], n, 2)
+
+
+# -----------------------------------------------------------------------------
+# Triton kernels
+
+
 @triton.jit
 def _append_kernel(RK, RC, KS, CS, IDS, ES, K, C, POS, M, H_kv: tl.constexpr, D: tl.constexpr, L_C: tl.constexpr,
                    LP: tl.constexpr, S_C: tl.constexpr, B: tl.constexpr, N_SINK: tl.constexpr, N_WIN: tl.constexpr,
@@ -263,67 +331,3 @@ def append_subblocks_triton(ring_k, ring_c, K_sub, c_sub, core_ids, core_E, k, c
         H_kv=H_kv, D=d, L_C=l_c, LP=triton.next_power_of_2(l_c), S_C=cfg.s_c, B=cfg.B, N_SINK=cfg.n_sink,
         N_WIN=cfg.n_win, R_SUB=r, P_OVER=p, RPP=triton.next_power_of_2(r + p), N=n, NP=triton.next_power_of_2(n),
         HAS_C=has_c, HAS_CORE=has_core, POOLED=pooled)
-
-
-class KVCache(Cache):
-    """The whole cache on one device: K, V (Bz, H_kv, S, d) per layer, and what the mode needs besides:
-    eviction scores c (Bz, H_kv, S) for nosa and dma, the pooled caches for the sparse modes, none of
-    it for full attention. With max_len, the buffers are allocated once for max_len tokens and sparse
-    modes attend over all of them (static shapes, so a decode step can be a CUDA graph:
-    generate.GraphedDecode); without, they grow with the sequences."""
-
-    def __init__(self, cfg, Bz, device, dtype, max_len=None):
-        super().__init__(Bz, device)
-        self.cfg, self.max_len = cfg, max_len
-        L, H, d, S = cfg.n_layer, cfg.H_kv, cfg.head_dim, max_len or 0
-        self.k = [torch.zeros(Bz, H, S, d, device=device, dtype=dtype) for _ in range(L)]
-        self.v = [torch.zeros(Bz, H, S, d, device=device, dtype=dtype) for _ in range(L)]
-        cdt = torch.promote_types(dtype, torch.float32)
-        self.c = [torch.zeros(Bz, H, S if cfg.eviction_head else 0, device=device, dtype=cdt) for _ in range(L)]
-        self.sub = SubBlockCache(cfg, Bz, device, dtype, S) if cfg.sparse else None
-
-    def prefill(self, layer, seq, k, v, c):
-        T = k.shape[1]
-        self._grow(layer, T)
-        self.k[layer][seq, :, :T], self.v[layer][seq, :, :T] = k, v
-        if c is not None:
-            self.c[layer][seq, :, :T] = c
-        if self.sub:
-            self.sub.prefill(layer, seq, k, c)
-        if layer == self.cfg.n_layer - 1:
-            self.set_length(seq, T)
-
-    def capacity(self):
-        """Positions below which a decode step keeps its shapes (GraphedDecode); 0: they change every step."""
-        return self.max_len or 0
-
-    def S(self):  # tokens attention spans: all preallocated ones (static shapes), else exactly the context
-        return max(self.capacity(), int(self.len_cpu.max()) + 1)
-
-    def n_blocks(self):  # the blocks selection ranges over
-        return pooling.n_blocks(self.S(), self.cfg)
-
-    def append(self, layer, k, v, c):
-        pos, rows = self.len, torch.arange(k.shape[0], device=k.device)
-        max_pos = int(self.len_cpu.max())
-        self._grow(layer, max_pos + 1)
-        self.k[layer][rows, :, pos], self.v[layer][rows, :, pos] = k, v
-        if c is not None:
-            self.c[layer][rows, :, pos] = c
-        if self.sub:
-            self.sub.append(layer, k, c, pos, max_pos)
-
-    def attend(self, layer, q, block_mask):
-        """q (Bz, H_q, 1, d) at positions self.len -> (Bz, H_q, 1, d) over the cached tokens."""
-        S = self.S()
-        with record_function("attention"):
-            if not self.cfg.sparse:
-                return decode.dense_decode(q, self.k[layer][:, :, :S], self.v[layer][:, :, :S], self.len)
-            bias = eviction.attention_bias(self.c[layer][:, :, :S], self.cfg.attn) if self.cfg.eviction_head else None
-            return decode.sparse_decode(q, self.k[layer][:, :, :S], self.v[layer][:, :, :S], bias, block_mask,
-                                        self.len, self.cfg.B, self.cfg.k)
-
-    def _grow(self, layer, n):
-        self.k[layer], self.v[layer] = grow(self.k[layer], n, 2), grow(self.v[layer], n, 2)
-        if self.cfg.eviction_head:
-            self.c[layer] = grow(self.c[layer], n, 2)

@@ -243,6 +243,55 @@ def select_step_torch(Q, core_ids, q_pos, cfg):
     return select_blocks(Q, None, q_pos[:, None], cfg, core_ids)
 
 
+def nosa_attention(q, k, v, c, cfg, start=0, pooled=None):
+    """One attention layer for the queries at positions start .. start+T-1 over the keys 0 .. S-1,
+    S = start + T: the training forward (start = 0, the whole sequence) and one chunk of a prefill
+    (model.Transformer.prefill), which selects and attends exactly as the whole forward would.
+
+    q: (Bz, H_q, T, d), k, v: (Bz, H_kv, S, d) with RoPE applied, c: (Bz, H_kv, S) eviction scores
+    (None in `full` and `infllmv2` modes). pooled: (K̃, c̃) of those keys where the caller keeps them
+    (a prefill's chunks), else pooled here. Returns the output (Bz, H_q, T, d) and the block mask."""
+    Bz, _, T, _ = q.shape
+    S = k.shape[2]
+    q_pos = torch.arange(start, start + T, device=q.device).expand(Bz, T)
+    if cfg.attn == "full":
+        return attention.sparse_attention(q, k, v, None, None, q_pos, cfg), None
+    with torch.no_grad():
+        if pooled is None:
+            pooled = pooling.compress_keys(k, cfg), None if c is None else pooling.pool_mean(c, cfg)
+        K_sub, c_sub = pooled
+        nb, ids = pooling.n_blocks(S, cfg), None
+        if c is not None and cfg.n_core > 0:  # each query's list of the best candidates by E
+            ids = core_lists(eviction.eviction_block_scores(c_sub, nb, cfg), q_pos, cfg, start // cfg.B)
+        R = SELECT_ROWS
+        parts = [select(q[:, :, t:t + R], K_sub, None if ids is None else ids[:, :, t:t + R], q_pos[:, t:t + R], nb,
+                        cfg) for t in range(0, T, R)]
+        block_mask = torch.cat(parts, 2) if len(parts) > 1 else parts[0]
+    bias = None if c is None else eviction.attention_bias(c, cfg.attn)
+    return attention.sparse_attention(q, k, v, bias, block_mask, q_pos, cfg), block_mask
+
+
+def nosa_decode(q, k, v, c, layer, cache, cfg):
+    """The decode half of one attention layer, beside the training half (nosa_attention): one new token
+    per sequence, each at its own position cache.len. Its k, v, c join the cache (and the pooled caches
+    and the eviction list, kvcache.SubBlockCache.append); Γ(t) is selected by the same select as the
+    parallel forward, from K̃ and the row's list of its best candidates by E; attention runs over the
+    selected blocks (the GPU slot pool of offload.OffloadCache, or a resident kvcache.KVCache).
+
+    q (Bz, H_q, 1, d), k, v (Bz, H_kv, 1, d), c (Bz, H_kv, 1) or None -> the output (Bz, H_q, 1, d)."""
+    cache.append(layer, k[:, :, 0], v[:, :, 0], None if c is None else c[:, :, 0])
+    block_mask = None
+    if cfg.sparse:
+        with record_function("selection"):
+            K_sub, core_ids = cache.sub.pooled(layer)
+            block_mask = select(q, K_sub, core_ids, cache.len[:, None], cache.n_blocks(), cfg)
+    return cache.attend(layer, q, block_mask)
+
+
+# -----------------------------------------------------------------------------
+# Triton kernels
+
+
 @triton.jit
 def _ordered(s):
     """An int32 that orders as the float s does (-0.0 tied with +0.0, -inf lowest)."""
@@ -317,48 +366,3 @@ def select_step_triton(Q, core_ids, q_pos, cfg):
                                       B=cfg.B, N_SINK=cfg.n_sink, N_WIN=cfg.n_win, K=cfg.k, KQ=max(cfg.k_q_free, 0),
                                       N_CORE=cfg.n_core if n else 0, num_warps=8)
     return out.view(torch.bool)
-
-
-def nosa_attention(q, k, v, c, cfg, start=0, pooled=None):
-    """One attention layer for the queries at positions start .. start+T-1 over the keys 0 .. S-1,
-    S = start + T: the training forward (start = 0, the whole sequence) and one chunk of a prefill
-    (model.Transformer.prefill), which selects and attends exactly as the whole forward would.
-
-    q: (Bz, H_q, T, d), k, v: (Bz, H_kv, S, d) with RoPE applied, c: (Bz, H_kv, S) eviction scores
-    (None in `full` and `infllmv2` modes). pooled: (K̃, c̃) of those keys where the caller keeps them
-    (a prefill's chunks), else pooled here. Returns the output (Bz, H_q, T, d) and the block mask."""
-    Bz, _, T, _ = q.shape
-    S = k.shape[2]
-    q_pos = torch.arange(start, start + T, device=q.device).expand(Bz, T)
-    if cfg.attn == "full":
-        return attention.sparse_attention(q, k, v, None, None, q_pos, cfg), None
-    with torch.no_grad():
-        if pooled is None:
-            pooled = pooling.compress_keys(k, cfg), None if c is None else pooling.pool_mean(c, cfg)
-        K_sub, c_sub = pooled
-        nb, ids = pooling.n_blocks(S, cfg), None
-        if c is not None and cfg.n_core > 0:  # each query's list of the best candidates by E
-            ids = core_lists(eviction.eviction_block_scores(c_sub, nb, cfg), q_pos, cfg, start // cfg.B)
-        R = SELECT_ROWS
-        parts = [select(q[:, :, t:t + R], K_sub, None if ids is None else ids[:, :, t:t + R], q_pos[:, t:t + R], nb,
-                        cfg) for t in range(0, T, R)]
-        block_mask = torch.cat(parts, 2) if len(parts) > 1 else parts[0]
-    bias = None if c is None else eviction.attention_bias(c, cfg.attn)
-    return attention.sparse_attention(q, k, v, bias, block_mask, q_pos, cfg), block_mask
-
-
-def nosa_decode(q, k, v, c, layer, cache, cfg):
-    """The decode half of one attention layer, beside the training half (nosa_attention): one new token
-    per sequence, each at its own position cache.len. Its k, v, c join the cache (and the pooled caches
-    and the eviction list, kvcache.SubBlockCache.append); Γ(t) is selected by the same select as the
-    parallel forward, from K̃ and the row's list of its best candidates by E; attention runs over the
-    selected blocks (the GPU slot pool of offload.OffloadCache, or a resident kvcache.KVCache).
-
-    q (Bz, H_q, 1, d), k, v (Bz, H_kv, 1, d), c (Bz, H_kv, 1) or None -> the output (Bz, H_q, 1, d)."""
-    cache.append(layer, k[:, :, 0], v[:, :, 0], None if c is None else c[:, :, 0])
-    block_mask = None
-    if cfg.sparse:
-        with record_function("selection"):
-            K_sub, core_ids = cache.sub.pooled(layer)
-            block_mask = select(q, K_sub, core_ids, cache.len[:, None], cache.n_blocks(), cfg)
-    return cache.attend(layer, q, block_mask)

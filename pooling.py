@@ -91,6 +91,10 @@ def query_aware_scores_torch(q, K_sub, q_pos, nb, cfg):
     return max_to_blocks(P, nb, cfg)
 
 
+# -----------------------------------------------------------------------------
+# Triton kernels
+
+
 @triton.jit
 def _qscore_kernel(Q, KS, QPOS, OWN, LAST, scale, T, M, NB,
                    H_kv: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
@@ -239,6 +243,10 @@ def query_aware_scores_decode(q, K_sub, q_pos, nb, cfg, CM=128, NBT=64):
     _qscore1_blocks[(R, triton.cdiv(nb, NBT))](s, mx, sm, out, M, nb, NC, G=G, GP=GP, NCP=triton.next_power_of_2(NC),
                                                NBT=NBT, R_SUB=r, P_OVER=p, PP=triton.next_power_of_2(max(p, 1)))
     return out
+
+
+# -----------------------------------------------------------------------------
+# Dispatch
 
 
 def query_aware_scores(q, K_sub, q_pos, nb, cfg):
