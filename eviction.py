@@ -50,6 +50,7 @@ def rank_desc(score, valid):
     ties broken towards the larger (more recent) block index; invalid entries get rank n. Valid
     entries of score -inf still rank (by recency), before every invalid one.
     A strict total order makes top-k deterministic, so training and decoding pick the same blocks."""
+    score, valid = torch.broadcast_tensors(score, valid)
     n = score.shape[-1]
     s = score.masked_fill(~valid, float("-inf")).flip(-1)  # flip: among equals, later block first
     order = torch.sort(s, dim=-1, descending=True, stable=True).indices

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 import checkpoint
 import nosa
+import tasks as recall
 from model import Transformer
 from nosa import Config
 
@@ -130,12 +131,16 @@ def prepare(data_dir, vocab_size, data=None):
     return tok
 
 
-def get_batch(data, batch_size, T, seed, step, rank, device):
-    """Random windows of T+1 tokens; the draw depends only on (seed, step, rank), so a resumed run
-    sees exactly the batches the uninterrupted one would have."""
+def get_batch(data, batch_size, T, seed, step, rank, device, tasks=0.0, tok=None):
+    """Random windows of T+1 tokens, a fraction `tasks` of them replaced by long-range recall tasks
+    (tasks.py, their filler from the same data); the draw depends only on (seed, step, rank), so a
+    resumed run sees exactly the batches the uninterrupted one would have."""
     rng = np.random.default_rng([seed, step, rank])
     ix = rng.integers(0, len(data) - T - 1, size=batch_size)
-    x = torch.from_numpy(np.stack([data[i:i + T + 1].astype(np.int64) for i in ix]))
+    x = np.stack([data[i:i + T + 1].astype(np.int64) for i in ix])
+    if tasks:
+        recall.mix_tasks(x, tasks, tok, data, rng)
+    x = torch.from_numpy(x)
     x = x.to(device, non_blocking=True)
     return x[:, :-1], x[:, 1:]
 
@@ -167,7 +172,8 @@ def evaluate(model, val, batch_size, T, device, n_batches=8):
 
 def main(preset="tiny", attn="nosa", out=None, data=None, data_dir=None, steps=120, batch_size=4, seq_len=1024,
          lr=3e-3, warmup=20, weight_decay=0.1, grad_clip=1.0, eval_every=40, seed=1337, device=None, resume=False,
-         force=False, stop_at=None, save_bf16=False, log_every=10, evict_lr_mult=1.0, init_from=None, **overrides):
+         force=False, stop_at=None, save_bf16=False, log_every=10, evict_lr_mult=1.0, init_from=None, tasks=0.0,
+         **overrides):
     """Train; returns (model, last validation loss). `overrides` go to the Config (tests use tiny shapes).
     out defaults to out/{preset}-{attn} and data_dir to data/, both in the repository, whatever the
     working directory. An existing checkpoint in out is continued with resume, replaced with force,
@@ -181,6 +187,8 @@ def main(preset="tiny", attn="nosa", out=None, data=None, data_dir=None, steps=1
             raise ValueError(f"{name} {value}: must be at least {least}")
     if not lr > 0:
         raise ValueError(f"--lr {lr}: must be positive")
+    if not 0 <= tasks <= 1:
+        raise ValueError(f"--tasks {tasks}: a fraction of the training windows, from 0 to 1")
     checkpoint.pick_device(device)  # a device this torch lacks fails here, before anything else
     out = out or os.path.join(checkpoint.ROOT, "out", f"{preset}-{attn}")
     data_dir = data_dir or os.path.join(checkpoint.ROOT, "data")
@@ -227,7 +235,7 @@ def main(preset="tiny", attn="nosa", out=None, data=None, data_dir=None, steps=1
     corpus = corpus_id(data)  # the cache follows the files: any change of them makes a new one
     data_dir = os.path.join(data_dir, f"{corpus}-{cfg.vocab_size}")
     run = dict(seq_len=seq_len, batch_size=batch_size * world, lr=lr, warmup=warmup, weight_decay=weight_decay,
-               grad_clip=grad_clip, seed=seed, evict_lr_mult=evict_lr_mult, corpus=corpus)  # what defines the run
+               grad_clip=grad_clip, seed=seed, evict_lr_mult=evict_lr_mult, corpus=corpus, tasks=tasks)  # the run
     if resume:  # continue exactly that run, or say which flag differs (older checkpoints lack some of these)
         flag = dict(batch_size="--batch-size (times the processes)", corpus="--data (its files changed, or others)")
         for key, value in run.items():
@@ -294,7 +302,7 @@ def main(preset="tiny", attn="nosa", out=None, data=None, data_dir=None, steps=1
         while step < stop_at:
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, steps, lr, warmup) * g.get("lr_mult", 1.0)
-            x, y = get_batch(train_data, batch_size, seq_len, seed, step, rank, device)
+            x, y = get_batch(train_data, batch_size, seq_len, seed, step, rank, device, tasks, tok)
             with torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"):
                 logits = model(x)
             loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
@@ -378,13 +386,16 @@ def cli(argv=None):
     p.add_argument("--save-bf16", action="store_true", help="store weights in bf16 (half the size)")
     p.add_argument("--evict-lr-mult", type=float, default=1.0,
                    help="learning rate of the eviction head (A, W_δ) as a multiple of --lr")
+    p.add_argument("--tasks", type=float, default=0.0, metavar="FRACTION",
+                   help="replace this fraction of the training windows by long-range recall tasks (tasks.py)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a config field of the preset, e.g. --set k=32 --set n_layer=6")
     a = p.parse_args(argv)
     return checkpoint.run_cli(lambda: main(
         a.preset, a.attn, a.out, a.data, a.data_dir, a.steps, a.batch_size, a.seq_len, a.lr, a.warmup,
         eval_every=a.eval_every, seed=a.seed, device=a.device, resume=a.resume, force=a.force, stop_at=a.stop_at,
-        save_bf16=a.save_bf16, evict_lr_mult=a.evict_lr_mult, init_from=a.init_from, **parse_overrides(a.set)))
+        save_bf16=a.save_bf16, evict_lr_mult=a.evict_lr_mult, init_from=a.init_from, tasks=a.tasks,
+        **parse_overrides(a.set)))
 
 
 if __name__ == "__main__":

@@ -292,10 +292,10 @@ def test_checks_before_work_and_one_line_errors(corpus, tmp_path, monkeypatch, c
             "--seq-len=128", "--device=cpu"] + [f"--set={k}={v}" for k, v in small.items()]
     real = train.get_batch
 
-    def interrupt(data, batch_size, T, seed, step, rank, device):  # Ctrl-C as training step 3 (0-based) begins
+    def interrupt(data, batch_size, T, seed, step, *rest, **kw):  # Ctrl-C as training step 3 (0-based) begins
         if step == 3 and seed != 0:  # (evaluation draws with seed 0)
             raise KeyboardInterrupt
-        return real(data, batch_size, T, seed, step, rank, device)
+        return real(data, batch_size, T, seed, step, *rest, **kw)
 
     monkeypatch.setattr(train, "get_batch", interrupt)
     with pytest.raises(SystemExit) as e:
@@ -319,3 +319,28 @@ def test_checks_before_work_and_one_line_errors(corpus, tmp_path, monkeypatch, c
             checkpoint.load(out)
     with pytest.raises(FileNotFoundError, match="is a file, not a checkpoint directory"):
         checkpoint.load(os.path.join(ROOT, "README.md"))
+
+
+def test_recall_tasks(corpus, tmp_path):
+    """tasks.py: each kind puts its first fact exactly `distance` tokens before the question's end and
+    ends with the answer, the same for the same seed; training mixes them in (--tasks) and resumes
+    exactly."""
+    import numpy as np
+    import tasks
+    tok = checkpoint.load(checkpoint.DEFAULT_CHECKPOINT)[1]
+    filler = np.array(tok.encode(open(os.path.join(corpus, "argparse.py")).read()).ids)
+    for kind in tasks.KINDS:
+        for distance in (100, 300, 590):
+            ids, at, n, fact = tasks.make_task(kind, tok, filler, 600, distance, np.random.default_rng(7))
+            again = tasks.make_task(kind, tok, filler, 600, distance, np.random.default_rng(7))[0]
+            facts, question, answer = tasks.task_pieces(kind, np.random.default_rng(7))
+            assert len(ids) == 600 and at + n == 600 and at - fact == distance and np.array_equal(ids, again)
+            assert tok.decode(ids[at:].tolist()) == answer and tok.decode(ids[fact:].tolist()).startswith(facts[0])
+            assert tok.decode(ids[:at].tolist()).endswith(question)
+    kw = dict(data=corpus, data_dir=str(tmp_path / "data"), steps=4, eval_every=2, tasks=0.5, **run, **small)
+    ref, _ = train.main(out=str(tmp_path / "a"), **kw)
+    train.main(out=str(tmp_path / "b"), stop_at=2, **kw)
+    resumed, _ = train.main(out=str(tmp_path / "b"), resume=True, **kw)
+    assert all(torch.equal(x, y) for x, y in zip(ref.state_dict().values(), resumed.state_dict().values()))
+    with pytest.raises(ValueError, match="--resume: the run in .* give --tasks"):
+        train.main(out=str(tmp_path / "b"), resume=True, **{**kw, "tasks": 0.1, "steps": 6})
