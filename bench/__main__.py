@@ -9,17 +9,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 import checkpoint  # noqa: E402
-from bench import eviction, gather, kernels, plot, quality
+from bench import eviction, gather, kernels, plot, quality, recall
 from bench import requests as requests_
 from bench import throughput as throughput_
 
 
 def main(what, json_path=None, ckpts=os.path.join(checkpoint.ROOT, "out"), trained=False,
-         checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, judge=None, gen_len=1024, systems=None, **throughput):
+         checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, judge=None, gen_len=1024, systems=None, cases=200, **throughput):
     if what == "quality":
         rows = quality.bench_quality(ckpts, systems or tuple(quality.SYSTEMS), judge, gen_len)
     elif what == "eviction":
         rows = eviction.bench_eviction(checkpoint_dir)
+    elif what == "recall":
+        rows = recall.bench_recall(ckpts, systems or tuple(quality.SYSTEMS), n=cases)
     elif what == "plot":
         rows = plot.main()
     elif what == "requests":
@@ -45,7 +47,7 @@ def main(what, json_path=None, ckpts=os.path.join(checkpoint.ROOT, "out"), train
 if __name__ == "__main__":
     p = argparse.ArgumentParser(prog="python -m bench", description="NOSA / NOSI benchmarks (GPU)")
     p.add_argument("what", choices=["gather", "prefill", "decode", "sdpa", "quality", "eviction", "throughput",
-                                    "requests", "plot"],
+                                    "requests", "plot", "recall"],
                    help="which benchmark")
     p.add_argument("--json", help="also write the rows to this file")
     p.add_argument("--ckpts", default=os.path.join(checkpoint.ROOT, "out"),
@@ -66,6 +68,7 @@ if __name__ == "__main__":
                                      f"quality: some of {','.join(quality.SYSTEMS)} (default: all)")
     p.add_argument("--new-tokens", default="1024,8192", help="requests: tokens generated per request, e.g. 1024,8192")
     p.add_argument("--requests", type=int, default=28, help="requests: how many")
+    p.add_argument("--cases", type=int, default=200, help="recall: tasks per distance bin")
     p.add_argument("--judge", help="quality: the model that scores the generations (default: CKPTS/tiny-full)")
     p.add_argument("--gen-len", type=int, default=1024, help="quality: tokens generated (and teacher-forced window)")
     a = p.parse_args()
@@ -77,4 +80,5 @@ if __name__ == "__main__":
         kw = dict(shape=a.shape, prompt_len=a.prompt_len, budget_gb=a.budget_gb, steps=a.steps, host_gb=a.host_gb,
                   requests=a.requests, new_tokens=tuple(int(g) for g in a.new_tokens.split(",")))
     checkpoint.run_cli(main, a.what, a.json, a.ckpts, checkpoint_dir=a.checkpoint, judge=a.judge, gen_len=a.gen_len,
+                       cases=a.cases,
                        systems=a.systems.split(",") if a.systems else None, **kw)

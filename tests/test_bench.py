@@ -92,3 +92,20 @@ def test_eviction_bench_on_the_embedded_model():
     from bench.eviction import bench_eviction
     rows = bench_eviction(windows=1, T=400)
     assert len(rows) == 4 and all(0 <= r[k] <= 1 for r in rows for k in ("core_by_E", "by_recency", "at_random"))
+
+
+def test_recall_bench_on_the_embedded_model(tmp_path):
+    """python -m bench recall, small: accuracy per distance, the offload engine's hit rate within the
+    theorem's bound, and where the fact's block stood (shares that add up to 1)."""
+    import shutil
+    import checkpoint
+    from bench.recall import bench_recall
+    shutil.copytree(checkpoint.DEFAULT_CHECKPOINT, tmp_path / "tiny-nosa")
+    rows = bench_recall(tmp_path, systems=("nosa",), distances=(100, 400), n=3, where_cases=2)
+    cfg = checkpoint.load(checkpoint.DEFAULT_CHECKPOINT)[0].cfg
+    assert [r["distance"] for r in rows] == [100, 400] and all(0 <= r["accuracy"] <= 1 for r in rows)
+    for r in rows:
+        assert cfg.k_e / (cfg.k - 1) <= r["hit_rate"] <= 1
+        assert sum(r[f"fact_{k}"] for k in ("forced", "Q", "E", "none")) == pytest.approx(1, abs=0.01)
+    assert rows[0]["fact_forced"] == 1  # at 100 tokens every block is selected (k·B = 256)
+    assert rows[1]["fact_forced"] < 1  # at 400 the fact lies past the window

@@ -1,0 +1,94 @@
+"""Long-range recall (tasks.py) of the tiny models train.py makes: exact-match accuracy of the answer
+under greedy decoding, binned by the distance from the fact to the question, for every mode and the
+training-free baseline (bench.quality.SYSTEMS), the sparse modes decoding through the offload engine
+(hit rate beside it); and, for the modes with selection, where the fact's block stands when the
+answer's first token is predicted: in the window (forced), picked by Q, in E's core, or not selected."""
+import numpy as np
+import torch
+
+import checkpoint
+import eviction
+import nosa
+import pooling
+import tasks
+from bench.quality import SYSTEMS, trained_path
+
+
+def cases(tok, filler, distances, n, length, seed=0):
+    """n tasks per distance (kinds in turn), each `length` tokens: {distance: [(ids, answer_at, n_answer,
+    fact_at)]}, the same for every system."""
+    rng = np.random.default_rng(seed)
+    return {d: [tasks.make_task(tasks.KINDS[i % len(tasks.KINDS)], tok, filler, length, d, rng) for i in range(n)]
+            for d in distances}
+
+
+@torch.no_grad()
+def where_the_fact_is(model, ids, t, b_fact):
+    """For each layer and KV head, how the fact's block b_fact stands in Γ(t), the selection of the query
+    at position t over the prefix ids[:t+1]: 'forced' (sink, window, own block), 'Q', 'E' (the core) or
+    'none'. Computed from the layer's own q, k, c, as nosa_attention selects."""
+    cfg, dev = model.cfg, model.embed_tokens.weight.device
+    idx = torch.tensor(ids[:t + 1], device=dev)[None]
+    x = model.embed_tokens(idx)
+    rope = model.rope(torch.arange(t + 1, device=dev)[None], x.dtype)
+    out = []
+    for layer in model.layers:
+        q, k, _, c = layer.self_attn.qkvc(layer.input_layernorm(x), rope)
+        nb, pos = pooling.n_blocks(t + 1, cfg), torch.tensor([[t]], device=dev)
+        Q = pooling.query_aware_scores(q[:, :, -1:], pooling.compress_keys(k, cfg), pos, nb, cfg)[:, :, 0]
+        b, q_blk = torch.arange(nb, device=dev), t // cfg.B
+        forced = (b <= q_blk) & ((b < cfg.n_sink) | (b >= q_blk - cfg.n_win))
+        cand = (b <= q_blk) & ~forced
+        pick_q = eviction.top_desc(Q, cand, cfg.k_q_free)  # (1, H_kv, nb)
+        pick_e = torch.zeros_like(pick_q)
+        if c is not None and cfg.n_core > 0:
+            E = eviction.eviction_block_scores(pooling.pool_mean(c, cfg), nb, cfg)
+            ids_e = nosa.core_lists(E, pos, cfg)[:, :, 0]  # (1, H_kv, n)
+            pick_e = eviction.core_picks(ids_e, pick_q.gather(-1, ids_e.clamp(min=0)), cfg.n_core, nb)
+        few = q_blk + 1 <= cfg.k
+        for h in range(cfg.H_kv):
+            out.append("forced" if few or forced[b_fact] else "Q" if pick_q[0, h, b_fact] else
+                       "E" if pick_e[0, h, b_fact] else "none")
+        x = layer(x, rope)
+    return out
+
+
+def bench_recall(ckpts, systems=tuple(SYSTEMS), distances=(128, 256, 512, 1024, 2048, 4096), n=200, seed=0,
+                 where_cases=20):
+    """Accuracy per distance bin and system; the fact's standing for `where_cases` cases per bin."""
+    import train
+    from generate import generate
+    from kvcache import KVCache
+    from offload import OffloadCache
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    paths = {SYSTEMS[s][0]: trained_path(ckpts, SYSTEMS[s][0]) for s in systems}  # all there before any work
+    _, tok = checkpoint.load(next(iter(paths.values())))
+    val = np.array([i for name, text in train.documents() if train.is_val(name) for i in tok.encode(text).ids])
+    rows = []
+    for name in systems:
+        ck, attn = SYSTEMS[name]
+        model, _ = checkpoint.load(paths[ck], dev, dtype, **({"attn": attn} if attn else {}))
+        cfg = model.cfg
+        for d in distances:
+            length = d + 64  # room before the fact for the sinks, and for the question and answer
+            if length > cfg.max_seq_len:
+                continue
+            cs = cases(tok, val, [d], n, length, seed)[d]
+            prompts = [c[0][:c[1]].tolist() for c in cs]
+            G = max(c[2] for c in cs)
+            cache = (OffloadCache(cfg, len(prompts), dev, dtype, max_len=length + G) if cfg.sparse
+                     else KVCache(cfg, len(prompts), dev, dtype, length + G))
+            out = generate(model, prompts, G, cache=cache)
+            correct = [o[:c[2]] == c[0][c[1]:].tolist() for o, c in zip(out, cs)]
+            row = dict(system=name, distance=d, cases=len(cs), accuracy=round(float(np.mean(correct)), 3))
+            if cfg.sparse:
+                s = cache.stats
+                row["hit_rate"] = round(1 - s.moved.sum().item() / max(s.needed.sum().item(), 1), 3)
+                where = [w for c in cs[:where_cases]  # the block of the fact's first token
+                         for w in where_the_fact_is(model, c[0].tolist(), c[1] - 1, c[3] // cfg.B)]
+                for kind in ("forced", "Q", "E", "none"):
+                    row[f"fact_{kind}"] = round(where.count(kind) / len(where), 3)
+            rows.append(row)
+            print(row, flush=True)
+    return rows
