@@ -231,6 +231,9 @@ def main(preset="tiny", attn="nosa", out=None, data=None, data_dir=None, steps=1
             device = f"cuda:{os.environ['LOCAL_RANK']}"
     device = checkpoint.pick_device(device)
     master = rank == 0
+    # a fixed thread count also turns off MKL's dynamic threads, which under load may use fewer threads and
+    # so sum in another order: without it, a run resumed on a busy machine is not bit for bit the run it continues
+    torch.set_num_threads(torch.get_num_threads())
 
     corpus = corpus_id(data)  # the cache follows the files: any change of them makes a new one
     data_dir = os.path.join(data_dir, f"{corpus}-{cfg.vocab_size}")
