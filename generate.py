@@ -288,7 +288,7 @@ def main(checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, prompt=DEFAULT_PROMPT, ma
     print(f"prefill: {n_pre} tokens in {pre:.2f} s ({n_pre / pre:.0f} tokens/s, chunks of {chunk}"
           f"{', the residual stream in host memory' if on_host else ''}); time to first "
           f"token {ttft[0]:.2f} s" + (f" (the first prompt), {ttft[-1]:.2f} s (the last)" if batch > 1 else ""))
-    dt = t_end - progress.done[-1]
+    dt = max(t_end - progress.done[-1], 1e-9)  # (no decode step with --max-new-tokens 1)
     print(f"tokens/sec: {n_tok / dt:.1f} ({n_tok} tokens in {dt:.2f} s after the first, batch {batch}, prompts of "
           f"{min(map(len, ids))}-{P} tokens, {model.cfg.attn}, {device})")
     if offload:
