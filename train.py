@@ -34,6 +34,8 @@ from model import Transformer
 from nosa import Config
 
 EOT = checkpoint.EOT
+# CPython 3.11.7's standard library (9.0M training tokens): the corpus of the embedded model and of BENCHMARKS.md
+STDLIB_CORPUS = "fd99d1cd9f50"
 SHAPE_FIELDS = ("vocab_size", "n_layer", "dim", "H_q", "H_kv", "head_dim", "hidden_dim", "tie_embeddings")
 
 
@@ -57,13 +59,14 @@ def source_files(data=None):
 
 
 def corpus_id(data=None):
-    """A hash of the corpus's files (names, sizes, modification times): the cache of its token
-    streams is rebuilt when any of them changes, and a checkpoint records what it was trained on."""
+    """A hash of the corpus's files (their names and contents): the cache of its token streams is
+    rebuilt when any of them changes, and a checkpoint records what it was trained on; the same
+    files give the same hash on any machine."""
     h = hashlib.sha1()
     for p in source_files(data):
-        st = os.stat(p)
-        h.update(f"{os.path.relpath(p, data or sysconfig.get_paths()['stdlib'])}|{st.st_size}|{st.st_mtime_ns}\n"
-                 .encode())
+        h.update(os.path.relpath(p, data or sysconfig.get_paths()["stdlib"]).encode() + b"\0")
+        with open(p, "rb") as f:
+            h.update(hashlib.sha1(f.read()).digest())
     return h.hexdigest()[:12]
 
 
@@ -236,6 +239,10 @@ def main(preset="tiny", attn="nosa", out=None, data=None, data_dir=None, steps=1
     torch.set_num_threads(torch.get_num_threads())
 
     corpus = corpus_id(data)  # the cache follows the files: any change of them makes a new one
+    if master and not data and corpus != STDLIB_CORPUS:
+        print(f"note: this interpreter's standard library (Python {sysconfig.get_python_version()}, corpus {corpus}) "
+              f"is not the corpus of the embedded model and of BENCHMARKS.md (CPython 3.11.7's, {STDLIB_CORPUS}): "
+              f"token counts and losses will differ from the README's", flush=True)
     data_dir = os.path.join(data_dir, f"{corpus}-{cfg.vocab_size}")
     run = dict(seq_len=seq_len, batch_size=batch_size * world, lr=lr, warmup=warmup, weight_decay=weight_decay,
                grad_clip=grad_clip, seed=seed, evict_lr_mult=evict_lr_mult, corpus=corpus, tasks=tasks)  # the run
