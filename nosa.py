@@ -219,7 +219,7 @@ def core_lists(E, q_pos, cfg, first=None):
     nb, T, q_blk = E.shape[-1], q_pos.shape[-1], q_pos // cfg.B  # (Bz, T)
     if first is None:
         first, last = int(q_blk.min()), int(q_blk.max())
-    else:  # consecutive positions from a block's first block on
+    else:  # T consecutive positions, the first of them in block `first`
         last = first + (T + cfg.B - 2) // cfg.B
     blocks = torch.arange(first, last + 1, device=E.device)  # the query blocks (n_qb,)
     b = torch.arange(nb, device=E.device)
