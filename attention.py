@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from torch.nn.attention.bias import causal_lower_right
 
-from pooling import fp32
+from common import fp32
 
 
 # -----------------------------------------------------------------------------
@@ -190,14 +190,6 @@ def _sparse_bwd_dkv(Q, K, V, C, REV_IDX, REV_CNT, MASK, QPOS, DO, LSE, DELTA, DK
 
 # -----------------------------------------------------------------------------
 # Launchers and dispatch
-
-
-def n_sm(x):  # multiprocessors of x's GPU (the interpreter on a CPU: an H200's 132)
-    return torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
-
-
-def _gp(G):
-    return max(16, triton.next_power_of_2(G))  # tl.dot needs at least 16 rows
 
 
 def mask_to_indices(block_mask, k):

@@ -10,7 +10,6 @@ with model.safetensors.index.json, tokenizer.json. Tensor names are the same in 
 import json
 import os
 import shutil
-import sys
 from dataclasses import fields
 
 import torch
@@ -281,39 +280,3 @@ def read_json(path, name):
             return json.load(fh)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{f} is not valid JSON ({e})") from None
-
-
-# -----------------------------------------------------------------------------
-# Set-up shared by the scripts (train.py, generate.py, bench)
-
-
-def pick_device(name=None):
-    """'cuda' when available unless `name` says otherwise; a clear error for a device this torch lacks."""
-    name = name or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"--device {name!r}: give cpu, cuda or cuda:N") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: this torch ({torch.__version__}) sees no CUDA device; "
-                         f"use --device cpu")
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device {name!r}: give cpu, cuda or cuda:N")
-    return dev
-
-
-ANTICIPATED = (ValueError, OSError, MemoryError)  # bad input: the message says what to do
-
-
-def run_cli(main, *args, **kwargs):
-    """Run a script's main(); an anticipated error (bad flag, missing or corrupt checkpoint, a budget
-    that does not fit) is printed as its one-line message, exit code 2 (as for a bad flag). Anything
-    else is a bug and keeps its traceback."""
-    try:
-        return main(*args, **kwargs)
-    except ANTICIPATED as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except KeyboardInterrupt as e:  # Ctrl-C: one line (train.py says where its last checkpoint is)
-        print(f"interrupted{f': {e}' if str(e) else ''}", file=sys.stderr)
-        sys.exit(130)

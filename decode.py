@@ -22,7 +22,7 @@ import triton.language as tl
 
 import attention
 import fusion
-from pooling import fp32
+from common import fp32, gp, n_sm
 
 
 # -----------------------------------------------------------------------------
@@ -155,8 +155,8 @@ def block_decode(q, kb, vb, ids, bias, pos, B, row, blk, tail, n_split=None):
     R, N = ids.shape
     H_kv = R // Bz
     G = H_q // H_kv
-    n_split = n_split or max(1, min(N + tail, triton.cdiv(4 * attention.n_sm(q), R)))  # a few per multiprocessor
-    GP = attention._gp(G)
+    n_split = n_split or max(1, min(N + tail, triton.cdiv(4 * n_sm(q), R)))  # a few per multiprocessor
+    GP = gp(G)
     o = torch.empty(R, n_split, GP, D, device=q.device, dtype=torch.float32)
     m = torch.empty(R, n_split, GP, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
@@ -197,8 +197,8 @@ def dense_decode_triton(q, k, v, pos, n_split=None, BN=64):
     H_kv, S = k.shape[1], k.shape[2]
     assert k.stride() == v.stride() and k.stride()[2:] == (D, 1) and k.stride(0) == H_kv * k.stride(1)
     R, G = Bz * H_kv, H_q // H_kv
-    n_split = n_split or max(1, min(triton.cdiv(S, BN), triton.cdiv(2 * attention.n_sm(q), R)))  # fill the GPU
-    GP = attention._gp(G)
+    n_split = n_split or max(1, min(triton.cdiv(S, BN), triton.cdiv(2 * n_sm(q), R)))  # fill the GPU
+    GP = gp(G)
     o = torch.empty(R, n_split, GP, D, device=q.device, dtype=torch.float32)
     m = torch.empty(R, n_split, GP, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import pooling
+from common import fp32
 
 
 @torch.amp.autocast("cuda", enabled=False)  # scores, bias and softmax stay in fp32 under bf16 autocast
@@ -31,7 +32,7 @@ def eviction_score(v, A, W_delta):
     """c = A ⊙ softplus(W_δ · concat_h v): v (Bz, H_kv, T, d) -> c (Bz, H_kv, T), in fp32."""
     Bz, H_kv, T, d = v.shape
     x = v.transpose(1, 2).reshape(Bz, T, H_kv * d)  # concat over heads: (Bz, T, H_kv*d)
-    c = pooling.fp32(A) * F.softplus(pooling.fp32(x) @ pooling.fp32(W_delta).t())  # (Bz, T, H_kv)
+    c = fp32(A) * F.softplus(fp32(x) @ fp32(W_delta).t())  # (Bz, T, H_kv)
     return c.transpose(1, 2)  # (Bz, H_kv, T)
 
 

@@ -19,6 +19,7 @@ from dataclasses import replace
 import torch
 
 import checkpoint
+import common
 import nosa
 import offload as nosi  # NOSI, the offloaded cache (`offload` is a flag here)
 from kvcache import KVCache
@@ -205,7 +206,7 @@ def main(checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, prompt=DEFAULT_PROMPT, ma
                                ("--host-budget", host_budget or 1, 1e-9)):
         if value < least:
             raise ValueError(f"{name} {value}: must be at least {least}")
-    device = checkpoint.pick_device(device)
+    device = common.pick_device(device)
     checkpoint_dir = checkpoint.resolve(checkpoint_dir)  # the working directory's, else the repository's
     if profile:  # a trace that cannot be written is found now, not after the generation
         try:
@@ -414,14 +415,14 @@ def cli(argv=None):
     a = p.parse_args(argv)
 
     def run():
-        if checkpoint.pick_device(a.device).type == "cpu":  # decoding a small model is a chain of small ops: one
+        if common.pick_device(a.device).type == "cpu":  # decoding a small model is a chain of small ops: one
             torch.set_num_threads(1)  # thread is as fast as two, and does not collapse when the cores are busy
         prompt = (a.prompt or []) + [read_prompt(f) for f in a.prompt_file or []] or DEFAULT_PROMPT
         return main(a.checkpoint, prompt, a.max_new_tokens, a.batch, a.temperature, a.top_k, a.offload, a.device,
                     a.seed, a.quiet, a.attn, a.chat, a.profile, a.gpu_budget, a.host_budget, a.random, a.prompt_len,
                     a.chunk)
 
-    return checkpoint.run_cli(run)
+    return common.run_cli(run)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import eviction
 import fusion
 import nosa
-import pooling
+from common import fp32
 from kvcache import PromptLayer
 
 class RMSNorm(nn.Module):
@@ -29,7 +29,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        xf = pooling.fp32(x)
+        xf = fp32(x)
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
@@ -61,7 +61,7 @@ def rope_tables(pos, inv_freq, dtype):
 def apply_rope(x, rope):
     """Rotary embedding in the Hugging Face (rotate-half) layout. x (Bz, H, T, d), rope = (cos, sin)."""
     d, (cos, sin) = x.shape[-1], rope
-    xf = pooling.fp32(x)
+    xf = fp32(x)
     rot = torch.cat((-xf[..., d // 2:], xf[..., : d // 2]), dim=-1)
     return (xf * cos + rot * sin).to(x.dtype)
 

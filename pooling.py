@@ -29,10 +29,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-
-def fp32(x):
-    """x in at least fp32 (bf16/fp16 -> fp32; fp64 stays fp64, for exact tests)."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
+from common import fp32
 
 
 def n_subblocks(T, cfg):

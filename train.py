@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import checkpoint
+import common
 import nosa
 import tasks as recall
 from model import Transformer
@@ -192,7 +193,7 @@ def main(preset="tiny", attn="nosa", out=None, data=None, data_dir=None, steps=1
         raise ValueError(f"--lr {lr}: must be positive")
     if not 0 <= tasks <= 1:
         raise ValueError(f"--tasks {tasks}: a fraction of the training windows, from 0 to 1")
-    checkpoint.pick_device(device)  # a device this torch lacks fails here, before anything else
+    common.pick_device(device)  # a device this torch lacks fails here, before anything else
     out = out or os.path.join(checkpoint.ROOT, "out", f"{preset}-{attn}")
     data_dir = data_dir or os.path.join(checkpoint.ROOT, "data")
     if init_from and resume:
@@ -232,7 +233,7 @@ def main(preset="tiny", attn="nosa", out=None, data=None, data_dir=None, steps=1
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
             device = f"cuda:{os.environ['LOCAL_RANK']}"
-    device = checkpoint.pick_device(device)
+    device = common.pick_device(device)
     master = rank == 0
     # a fixed thread count also turns off MKL's dynamic threads, which under load may use fewer threads and
     # so sum in another order: without it, a run resumed on a busy machine is not bit for bit the run it continues
@@ -401,7 +402,7 @@ def cli(argv=None):
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a config field of the preset, e.g. --set k=32 --set n_layer=6")
     a = p.parse_args(argv)
-    return checkpoint.run_cli(lambda: main(
+    return common.run_cli(lambda: main(
         a.preset, a.attn, a.out, a.data, a.data_dir, a.steps, a.batch_size, a.seq_len, a.lr, a.warmup,
         eval_every=a.eval_every, seed=a.seed, device=a.device, resume=a.resume, force=a.force, stop_at=a.stop_at,
         save_bf16=a.save_bf16, evict_lr_mult=a.evict_lr_mult, init_from=a.init_from, tasks=a.tasks,

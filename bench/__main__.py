@@ -9,6 +9,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 import checkpoint  # noqa: E402
+import common  # noqa: E402
 from bench import eviction, gather, kernels, plot, quality, recall
 from bench import requests as requests_
 from bench import throughput as throughput_
@@ -79,6 +80,6 @@ if __name__ == "__main__":
     if a.what == "requests":
         kw = dict(shape=a.shape, prompt_len=a.prompt_len, budget_gb=a.budget_gb, steps=a.steps, host_gb=a.host_gb,
                   requests=a.requests, new_tokens=tuple(int(g) for g in a.new_tokens.split(",")))
-    checkpoint.run_cli(main, a.what, a.json, a.ckpts, checkpoint_dir=a.checkpoint, judge=a.judge, gen_len=a.gen_len,
+    common.run_cli(main, a.what, a.json, a.ckpts, checkpoint_dir=a.checkpoint, judge=a.judge, gen_len=a.gen_len,
                        cases=a.cases,
                        systems=a.systems.split(",") if a.systems else None, **kw)
