@@ -72,16 +72,21 @@ def save(model, tokenizer, path, dtype=None, train_state=None, optimizer=None):
         torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
     recover(path)
     if os.path.isdir(path):
-        foreign = set(os.listdir(path)) - set(FILES)
+        foreign = foreign_files(path)
         if foreign:  # check_out refused it before the run; never delete what is not ours
             shutil.rmtree(tmp, ignore_errors=True)
-            raise FileExistsError(f"{path} holds {sorted(foreign)[0]}, which is not a checkpoint of ours: not replaced")
+            raise FileExistsError(f"{path} holds {foreign[0]}, which is not a checkpoint of ours: not replaced")
         os.rename(path, old)
     os.rename(tmp, path)
     shutil.rmtree(old, ignore_errors=True)
 
 
 FILES = ("model.safetensors", "config.json", "tokenizer.json", "train_state.json", "optimizer.pt")  # what save writes
+
+
+def foreign_files(path):
+    """What a directory holds besides the files of a checkpoint of ours (a save replaces it whole)."""
+    return sorted(set(os.listdir(path)) - set(FILES))
 
 
 def check_out(path):
@@ -98,7 +103,7 @@ def check_out(path):
     if os.path.isfile(path):
         raise FileExistsError(f"--out {path} is a file; give a directory")
     if os.path.isdir(path):
-        foreign = sorted(set(os.listdir(path)) - set(FILES))
+        foreign = foreign_files(path)
         if foreign:
             raise FileExistsError(f"--out {path} holds {', '.join(foreign[:3])}{' ...' if len(foreign) > 3 else ''}, "
                                   f"which is not a checkpoint of ours, and a save replaces the directory whole: "
