@@ -7,21 +7,23 @@ training and prefill (decode.py has the kernels of one query per sequence).
 Notation: Bz batch, H_q / H_kv query / KV heads, G = H_q / H_kv, T queries, S keys, d head dim,
 B block size, k selected blocks per (query, KV head).
 
-  sparse_attention   training and prefill (and any T); the selection comes as a block mask
-                     (Bz, H_kv, T, nb).
+  sparse_attention   training and prefill (and any T); the selection comes as Tiles: the queries
+                     in tiles of BT consecutive tokens, and for each tile the union of the blocks its
+                     tokens selected with one bit per token (O(T · k) memory, never (T, nb)).
 
 Every kernel has its twin here, with the same signature; the twin is the CPU path and the oracle of
 the tests (tests/test_kernels.py, run under TRITON_INTERPRET=1 on CPU). Kernel design:
   - a program takes a tile of BT consecutive query tokens with all G heads of their group (about
     128 rows) and walks the union of the blocks those tokens selected: neighbours share the forced
     blocks and the query-agnostic core, so each K/V block is read once per tile for every head, and
-    the dots are (BT·G, d) x (d, B); which row may see which block comes from the uint8 block mask;
+    the dots are (BT·G, d) x (d, B); which row may see which block comes from the block's bits;
   - the bias is added after the 1/√d scale, the softmax is online, in fp32;
   - backward: dq per tile as in the forward; dk, dv and dc (column sums of dS) per key block, over
-    a reverse index of the tiles that selected it, in chunks that add up atomically in fp32, so the
-    blocks every query selects (sink, window) do not serialise the launch.
+    the tiles that selected it (the tiles' lists sorted by block), in chunks that add up atomically
+    in fp32, so the blocks every query selects (sink, window) do not serialise the launch.
 """
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +36,47 @@ from common import fp32
 
 # -----------------------------------------------------------------------------
 # torch twins
+
+
+class Tiles(NamedTuple):
+    """Γ(t) of T queries as the training kernels read it: the queries in tiles of BT consecutive tokens;
+    for each tile the union of the blocks its tokens selected, ascending and -1 padded (idx), for each
+    of those which tokens selected it, bit j for the tile's token j (bits), and how many there are (n)."""
+    idx: torch.Tensor  # (Bz, H_kv, nT, U) int32 block ids
+    bits: torch.Tensor  # (Bz, H_kv, nT, U) int32
+    n: torch.Tensor  # (Bz, H_kv, nT) int32
+    BT: int
+    T: int
+
+    def mask(self, nb):
+        """The block mask (Bz, H_kv, T, nb) bool."""
+        Bz, H_kv, nT, U = self.idx.shape
+        j = torch.arange(self.BT, device=self.idx.device, dtype=torch.int32)
+        sel = (self.bits[..., None] >> j) & 1 > 0  # (Bz, H_kv, nT, U, BT)
+        at = torch.where(self.idx >= 0, self.idx, nb).long()[..., None].expand_as(sel)
+        m = torch.zeros(Bz, H_kv, nT, nb + 1, self.BT, dtype=torch.bool, device=sel.device).scatter_(3, at, sel)
+        return m[:, :, :, :nb].transpose(3, 4).reshape(Bz, H_kv, nT * self.BT, nb)[:, :, :self.T]
+
+
+def mask_to_tiles(block_mask, BT, U):
+    """A block mask (Bz, H_kv, T, nb) -> its Tiles' (idx, bits, n), the union of a tile at most U blocks."""
+    Bz, H_kv, T, nb = block_mask.shape
+    nT = triton.cdiv(T, BT)
+    m = F.pad(block_mask, (0, 0, 0, nT * BT - T)).view(Bz, H_kv, nT, BT, nb).to(torch.int32)
+    bits = (m << torch.arange(BT, device=m.device, dtype=torch.int32)[:, None]).sum(3, dtype=torch.int32)
+    idx = mask_to_indices(bits != 0, U)
+    bits = torch.where(idx >= 0, bits.gather(-1, idx.clamp(min=0).long()), 0)
+    return idx, bits, (idx >= 0).sum(-1, dtype=torch.int32)
+
+
+def mask_to_indices(block_mask, k):
+    """(…, T, nb) bool -> (…, T, k) int32 ascending block ids, -1 padded (at most k are selected)."""
+    nb = block_mask.shape[-1]
+    ids = torch.where(block_mask, torch.arange(nb, device=block_mask.device, dtype=torch.int32), nb)
+    ids = ids.sort(-1).values[..., :k]
+    if ids.shape[-1] < k:
+        ids = F.pad(ids, (0, k - ids.shape[-1]), value=nb)
+    return torch.where(ids < nb, ids, -1).contiguous()
 
 
 @torch.amp.autocast("cuda", enabled=False)  # scores, bias and softmax stay in fp32 under bf16 autocast
@@ -78,44 +121,43 @@ def _tile_rows(t0, bh, T, H_kv: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
 
 
 @triton.jit
-def _scores(q, kb, C, QPOS, MASK, b, bh, t, row_ok, blk, T, S, NB, scale,
-            B: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _scores(q, kb, C, QPOS, bits, b, bh, t, t0, row_ok, blk, T, S, scale, B: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Logits (ROWS, B) of a query tile against key block blk, and which of them are allowed: the
-    row's token selected the block (MASK) and the key is not after it."""
+    row's token selected the block (its bit) and the key is not after it."""
     tok = blk * B + tl.arange(0, B)
     pos = tl.load(QPOS + b * T + t, mask=row_ok, other=-1)
-    sel = tl.load(MASK + (bh * T + t) * NB + blk, mask=row_ok & (t * 0 + blk >= 0), other=0)
-    ok = (sel > 0)[:, None] & (tok[None, :] <= pos[:, None]) & (tok[None, :] >= 0) & (tok[None, :] < S)
+    sel = ((bits >> (t - t0)) & 1) > 0
+    ok = sel[:, None] & (tok[None, :] <= pos[:, None]) & (tok[None, :] < S)
     s = tl.dot(q, tl.trans(kb)) * scale
     if HAS_BIAS:
-        s += tl.load(C + bh * S + tok, mask=(tok >= 0) & (tok < S), other=0.0)[None, :]
+        s += tl.load(C + bh * S + tok, mask=tok < S, other=0.0)[None, :]
     return s, ok
 
 
 @triton.jit
 def _load_block(K, V, bh, blk, S, D: tl.constexpr, B: tl.constexpr):
-    """K and V of key block blk, (B, D) each; zeros past the end, and for blk = -1, which pads lists."""
+    """K and V of key block blk, (B, D) each; zeros past the end."""
     tok = blk * B + tl.arange(0, B)
-    ok = (tok >= 0) & (tok < S)
     kv = (bh * S + tok[:, None]) * D + tl.arange(0, D)[None, :]
-    return tl.load(K + kv, mask=ok[:, None], other=0.0), tl.load(V + kv, mask=ok[:, None], other=0.0)
+    return tl.load(K + kv, mask=(tok < S)[:, None], other=0.0), tl.load(V + kv, mask=(tok < S)[:, None], other=0.0)
 
 
 @triton.jit
-def _sparse_fwd(Q, K, V, C, TILE_IDX, MASK, QPOS, O, LSE, scale, T, S, NB, U,
+def _sparse_fwd(Q, K, V, C, T_IDX, T_BITS, T_N, QPOS, O, LSE, scale, T, S, U,
                 H_kv: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
                 BT: tl.constexpr, HAS_BIAS: tl.constexpr):
     tile, bh = tl.program_id(0), tl.program_id(1)
-    b, t, row_ok, rows = _tile_rows(tile * BT, bh, T, H_kv, G, GP, BT * GP)
+    t0, prog = tile * BT, bh * tl.num_programs(0) + tile
+    b, t, row_ok, rows = _tile_rows(t0, bh, T, H_kv, G, GP, BT * GP)
     offs_d = tl.arange(0, D)
     q = tl.load(Q + rows[:, None] * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     m_i = tl.full([BT * GP], float("-inf"), tl.float32)
     l_i = tl.zeros([BT * GP], tl.float32)
     acc = tl.zeros([BT * GP, D], tl.float32)
-    for i in range(U):  # the union of the blocks the tile's tokens selected, each read once for all
-        blk = tl.load(TILE_IDX + ((bh * tl.num_programs(0) + tile) * U + i))
+    for i in range(tl.load(T_N + prog)):  # the union of the blocks the tile's tokens selected, each read once for all
+        blk, bits = tl.load(T_IDX + prog * U + i), tl.load(T_BITS + prog * U + i)
         kb, vb = _load_block(K, V, bh, blk, S, D, B)
-        s, ok = _scores(q, kb, C, QPOS, MASK, b, bh, t, row_ok, blk, T, S, NB, scale, B, HAS_BIAS)
+        s, ok = _scores(q, kb, C, QPOS, bits, b, bh, t, t0, row_ok, blk, T, S, scale, B, HAS_BIAS)
         s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing allowed yet: add nothing
@@ -130,21 +172,22 @@ def _sparse_fwd(Q, K, V, C, TILE_IDX, MASK, QPOS, O, LSE, scale, T, S, NB, U,
 
 
 @triton.jit
-def _sparse_bwd_dq(Q, K, V, C, TILE_IDX, MASK, QPOS, DO, LSE, DELTA, DQ, scale, T, S, NB, U,
+def _sparse_bwd_dq(Q, K, V, C, T_IDX, T_BITS, T_N, QPOS, DO, LSE, DELTA, DQ, scale, T, S, U,
                    H_kv: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
                    BT: tl.constexpr, HAS_BIAS: tl.constexpr):
     tile, bh = tl.program_id(0), tl.program_id(1)
-    b, t, row_ok, rows = _tile_rows(tile * BT, bh, T, H_kv, G, GP, BT * GP)
+    t0, prog = tile * BT, bh * tl.num_programs(0) + tile
+    b, t, row_ok, rows = _tile_rows(t0, bh, T, H_kv, G, GP, BT * GP)
     offs_d = tl.arange(0, D)
     q = tl.load(Q + rows[:, None] * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     do = tl.load(DO + rows[:, None] * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     lse = tl.load(LSE + rows, mask=row_ok, other=0.0)
     delta = tl.load(DELTA + rows, mask=row_ok, other=0.0)
     dq = tl.zeros([BT * GP, D], tl.float32)
-    for i in range(U):
-        blk = tl.load(TILE_IDX + ((bh * tl.num_programs(0) + tile) * U + i))
+    for i in range(tl.load(T_N + prog)):
+        blk, bits = tl.load(T_IDX + prog * U + i), tl.load(T_BITS + prog * U + i)
         kb, vb = _load_block(K, V, bh, blk, S, D, B)
-        s, ok = _scores(q, kb, C, QPOS, MASK, b, bh, t, row_ok, blk, T, S, NB, scale, B, HAS_BIAS)
+        s, ok = _scores(q, kb, C, QPOS, bits, b, bh, t, t0, row_ok, blk, T, S, scale, B, HAS_BIAS)
         p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
         ds = p * (tl.dot(do, tl.trans(vb)) - delta[:, None])
         dq += tl.dot(ds.to(kb.dtype), kb)
@@ -152,15 +195,15 @@ def _sparse_bwd_dq(Q, K, V, C, TILE_IDX, MASK, QPOS, DO, LSE, DELTA, DQ, scale, 
 
 
 @triton.jit
-def _sparse_bwd_dkv(Q, K, V, C, REV_IDX, REV_CNT, MASK, QPOS, DO, LSE, DELTA, DK, DV, DC, scale, T, S, NB, NT,
+def _sparse_bwd_dkv(Q, K, V, C, REV_OFF, REV_TILE, REV_BITS, QPOS, DO, LSE, DELTA, DK, DV, DC, scale, T, S, NB,
                     H_kv: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
                     BT: tl.constexpr, CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr):
     """dK, dV, dc of one key block from one chunk of the query tiles that selected it; chunks of a
     much-selected block (the sink, the window) run in parallel and add up atomically in fp32."""
     blk, chunk, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    count = tl.load(REV_CNT + bh * NB + blk)
-    j0 = chunk * CHUNK
-    if j0 < count:
+    lo, hi = tl.load(REV_OFF + bh * NB + blk), tl.load(REV_OFF + bh * NB + blk + 1)
+    j0 = lo + chunk * CHUNK
+    if j0 < hi:
         offs_d, offs_n = tl.arange(0, D), tl.arange(0, B)
         kv = (bh * S + blk * B + offs_n[:, None]) * D + offs_d[None, :]
         k_ok = blk * B + offs_n < S
@@ -169,14 +212,14 @@ def _sparse_bwd_dkv(Q, K, V, C, REV_IDX, REV_CNT, MASK, QPOS, DO, LSE, DELTA, DK
         dk = tl.zeros([B, D], tl.float32)
         dv = tl.zeros([B, D], tl.float32)
         dc = tl.zeros([B], tl.float32)
-        for j in range(j0, tl.minimum(j0 + CHUNK, count)):
-            tile = tl.load(REV_IDX + (bh * NB + blk) * NT + j)
-            b, t, row_ok, rows = _tile_rows(tile * BT, bh, T, H_kv, G, GP, BT * GP)
+        for j in range(j0, tl.minimum(j0 + CHUNK, hi)):
+            t0, bits = tl.load(REV_TILE + j) * BT, tl.load(REV_BITS + j)
+            b, t, row_ok, rows = _tile_rows(t0, bh, T, H_kv, G, GP, BT * GP)
             q = tl.load(Q + rows[:, None] * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
             do = tl.load(DO + rows[:, None] * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
             lse = tl.load(LSE + rows, mask=row_ok, other=0.0)
             delta = tl.load(DELTA + rows, mask=row_ok, other=0.0)
-            s, ok = _scores(q, kb, C, QPOS, MASK, b, bh, t, row_ok, blk, T, S, NB, scale, B, HAS_BIAS)
+            s, ok = _scores(q, kb, C, QPOS, bits, b, bh, t, t0, row_ok, blk, T, S, scale, B, HAS_BIAS)
             p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)  # (ROWS, B)
             dv += tl.dot(tl.trans(p).to(do.dtype), do)
             ds = p * (tl.dot(do, tl.trans(vb)) - delta[:, None])
@@ -192,78 +235,76 @@ def _sparse_bwd_dkv(Q, K, V, C, REV_IDX, REV_CNT, MASK, QPOS, DO, LSE, DELTA, DK
 # Launchers and dispatch
 
 
-def mask_to_indices(block_mask, k):
-    """(…, T, nb) bool -> (…, T, k) int32 ascending block ids, -1 padded (at most k are selected)."""
-    nb = block_mask.shape[-1]
-    ids = torch.where(block_mask, torch.arange(nb, device=block_mask.device, dtype=torch.int32), nb)
-    ids = ids.sort(-1).values[..., :k]
-    if ids.shape[-1] < k:
-        ids = F.pad(ids, (0, k - ids.shape[-1]), value=nb)
-    return torch.where(ids < nb, ids, -1).contiguous()
-
-
-LAUNCH = dict(num_warps=8, num_stages=3)  # for the tiled kernels: the fastest of a launch sweep at 16K
+LAUNCH = dict(num_warps=4, num_stages=3)  # the tiled forward: the fastest of a sweep at 128K (H200)
+LAUNCH_BWD = dict(num_warps=4, num_stages=2)  # the backward's two kernels: the fastest of a sweep at 64K
 
 
 def tile_size(G, B):
-    """Query tokens per tile: about 128 rows (tokens x heads of the group), within one block."""
-    return max(1, min(B, 128 // triton.next_power_of_2(G)))
+    """Query tokens per tile: about 64 rows (tokens x heads of the group: one warp group's tensor-core
+    tile), within one block, at most 32 (one bit each). Smaller tiles read fewer blocks no row of them
+    needs (at the paper's shape a 4-token tile reads 1.6 times the 64 blocks a token selects, an
+    8-token tile 2.3 times): at 128K the 4-token tile is twice as fast as the 8-token one."""
+    return max(1, min(B, 32, 64 // triton.next_power_of_2(G)))
+
+
+def tiles_by_block(sel, nb):
+    """The reverse of the tiles' lists: for every key block, the tiles that selected it (ascending) and
+    their bits, as one list sorted by (row, block) with the offsets where each block's part starts."""
+    Bz, H_kv, nT, U = sel.idx.shape
+    valid = sel.idx >= 0
+    row = torch.arange(Bz * H_kv, device=sel.idx.device).view(Bz, H_kv, 1, 1)
+    tile = torch.arange(nT, device=sel.idx.device).view(1, 1, nT, 1)
+    key, order = (((row * nb + sel.idx) * nT + tile)[valid]).sort()
+    count = torch.bincount(key // nT, minlength=Bz * H_kv * nb)
+    off = F.pad(count.cumsum(0), (1, 0)).to(torch.int32)
+    return off, (key % nT).to(torch.int32), sel.bits[valid][order], int(count.max())
 
 
 class SparseAttention(torch.autograd.Function):
     """The Triton path of sparse_attention, forward and backward. Tokens are processed in tiles of
     BT consecutive queries (all G heads of the group), over the union of the blocks they selected:
     neighbours share the forced blocks and the query-agnostic core, so each K/V block is read once
-    per tile and the dots are (BT·G, d) x (d, B). Per-row selection comes from the uint8 block mask."""
+    per tile and the dots are (BT·G, d) x (d, B). Which rows selected a block comes from its bits."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, block_mask, q_pos, B, k_sel=None):
+    def forward(ctx, q, k, v, bias, sel, q_pos, B):
         Bz, H_q, T, D = q.shape
         H_kv, S = k.shape[1], k.shape[2]
         G = H_q // H_kv
-        BT = tile_size(G, B)
-        nT, nb = triton.cdiv(T, BT), block_mask.shape[-1]
+        nT, U = sel.idx.shape[2], sel.idx.shape[3]
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        mask = block_mask.to(torch.uint8).contiguous()  # (Bz, H_kv, T, nb)
-        tiles = F.pad(block_mask, (0, 0, 0, nT * BT - T)).view(Bz, H_kv, nT, BT, nb).any(3)  # (Bz, H_kv, nT, nb)
-        # blocks per tile: one query (decode) selects at most k, known without asking the device
-        U = min(k_sel, nb) if (T == 1 and k_sel) else int(tiles.sum(-1).max())
-        tile_idx = mask_to_indices(tiles, U)
         q_pos = q_pos.to(torch.int32).contiguous()
         c = fp32(bias).contiguous() if bias is not None else q.new_empty(1, dtype=torch.float32)
         o = torch.empty_like(q)
         lse = torch.empty(Bz, H_q, T, device=q.device, dtype=torch.float32)
-        meta = dict(H_kv=H_kv, G=G, GP=triton.next_power_of_2(G), D=D, B=B, BT=BT, HAS_BIAS=bias is not None)
-        _sparse_fwd[(nT, Bz * H_kv)](q, k, v, c, tile_idx, mask, q_pos, o, lse, 1.0 / math.sqrt(D), T, S, nb, U,
-                                    **meta, **LAUNCH)
-        ctx.save_for_backward(q, k, v, c, tile_idx, tiles, mask, q_pos, o, lse)
-        ctx.meta = meta
+        meta = dict(H_kv=H_kv, G=G, GP=triton.next_power_of_2(G), D=D, B=B, BT=sel.BT, HAS_BIAS=bias is not None)
+        _sparse_fwd[(nT, Bz * H_kv)](q, k, v, c, sel.idx, sel.bits, sel.n, q_pos, o, lse, 1.0 / math.sqrt(D), T, S,
+                                    U, **meta, **LAUNCH)
+        ctx.save_for_backward(q, k, v, c, sel.idx, sel.bits, sel.n, q_pos, o, lse)
+        ctx.meta, ctx.BT = meta, sel.BT
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, c, tile_idx, tiles, mask, q_pos, o, lse = ctx.saved_tensors
+        q, k, v, c, idx, bits, n, q_pos, o, lse = ctx.saved_tensors
         meta = ctx.meta
         Bz, H_q, T, D = q.shape
         H_kv, S = k.shape[1], k.shape[2]
-        nT, nb, U = tiles.shape[2], tiles.shape[3], tile_idx.shape[-1]
+        nT, U, nb = idx.shape[2], idx.shape[3], triton.cdiv(S, meta["B"])
         do = do.contiguous()
         delta = (fp32(do) * fp32(o)).sum(-1)  # (Bz, H_q, T) rowsum(dO ∘ O)
         scale = 1.0 / math.sqrt(D)
         dq = torch.empty_like(q)
-        _sparse_bwd_dq[(nT, Bz * H_kv)](q, k, v, c, tile_idx, mask, q_pos, do, lse, delta, dq, scale, T, S, nb, U,
-                                       **meta, **LAUNCH)
-        # reverse index: for every key block, the query tiles that selected it
-        rev = tiles.transpose(-1, -2)  # (Bz, H_kv, nb, nT)
-        rev_cnt = rev.sum(-1).to(torch.int32).contiguous()
-        rev_idx = mask_to_indices(rev, nT)
+        _sparse_bwd_dq[(nT, Bz * H_kv)](q, k, v, c, idx, bits, n, q_pos, do, lse, delta, dq, scale, T, S, U,
+                                       **meta, **LAUNCH_BWD)
+        off, rev_tile, rev_bits, most = tiles_by_block(Tiles(idx, bits, n, ctx.BT, T), nb)
         chunk = 32
         dk, dv = (torch.zeros(Bz, H_kv, S, D, device=q.device, dtype=torch.float32) for _ in range(2))
         dc = torch.zeros(Bz, H_kv, S, device=q.device, dtype=torch.float32)
-        _sparse_bwd_dkv[(nb, triton.cdiv(int(rev_cnt.max()), chunk), Bz * H_kv)](
-            q, k, v, c, rev_idx, rev_cnt, mask, q_pos, do, lse, delta, dk, dv, dc, scale, T, S, nb, nT,
-            CHUNK=chunk, **meta, **LAUNCH)
-        return dq, dk.to(k.dtype), dv.to(v.dtype), (dc if meta["HAS_BIAS"] else None), None, None, None, None
+        _sparse_bwd_dkv[(nb, triton.cdiv(most, chunk), Bz * H_kv)](
+            q, k, v, c, off, rev_tile, rev_bits, q_pos, do, lse, delta, dk, dv, dc, scale, T, S, nb,
+            CHUNK=chunk, **meta, **LAUNCH_BWD)
+        return dq, dk.to(k.dtype), dv.to(v.dtype), (dc if meta["HAS_BIAS"] else None), None, None, None
 
 
 def use_triton(x, B):
@@ -274,19 +315,21 @@ def use_triton(x, B):
             and B & (B - 1) == 0 and d & (d - 1) == 0)
 
 
-def sparse_attention(q, k, v, bias, block_mask, q_pos, cfg):
-    """Dispatch: Triton on CUDA tensors, the twin elsewhere. `full` mode (no mask) runs SDPA on CUDA:
-    the queries are the last T of the S positions (a whole sequence, or a prefill's chunk), so the
-    causal mask is the lower-right one, and flash attention applies without a mask tensor."""
+def sparse_attention(q, k, v, bias, sel, q_pos, cfg):
+    """Γ(t) comes as Tiles (None: every causal key). Dispatch: Triton on CUDA tensors, the twin
+    elsewhere. `full` mode (no selection) runs SDPA on CUDA: the queries are the last T of the S
+    positions (a whole sequence, or a prefill's chunk), so the causal mask is the lower-right one,
+    and flash attention applies without a mask tensor."""
     if not use_triton(q, cfg.B):
-        return sparse_attention_torch(q, k, v, bias, block_mask, q_pos, cfg.B)
-    if block_mask is None:
+        mask = None if sel is None else sel.mask(triton.cdiv(k.shape[2], cfg.B))
+        return sparse_attention_torch(q, k, v, bias, mask, q_pos, cfg.B)
+    if sel is None:
         T, S = q.shape[2], k.shape[2]
         if T < S and not torch.is_grad_enabled():
             return causal_chunk_flash(q, k, v)
         causal = causal_lower_right(T, S) if T < S else None
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal, is_causal=T == S, enable_gqa=True)
-    return SparseAttention.apply(q, k, v, bias, block_mask, q_pos, cfg.B, cfg.k)
+    return SparseAttention.apply(q, k, v, bias, sel, q_pos, cfg.B)
 
 
 def causal_chunk_flash(q, k, v):

@@ -197,13 +197,13 @@ SELECT_ROWS = 2048  # queries scored and selected at a time: the temporaries are
 
 
 def select(q, K_sub, core_ids, q_pos, nb, cfg):
-    """Score, then select: the one path from the pooled caches to Γ(t), shared by the parallel forward
-    (training, prefill) and decoding, so both pick exactly the same blocks.
+    """Score, then select: the path from the pooled caches to Γ(t) as a block mask, the one a decode step
+    takes (nosa_decode) and the twin of the parallel forward's (select_tiles), so both pick the same blocks.
 
     q (Bz, H_q, T, d) at positions q_pos (Bz, T); K̃ (Bz, H_kv, M, d) compressed keys; nb blocks to
     score; core_ids the list of the best n_core + k_q - 1 candidates by E, best first: one per query
-    (Bz, H_kv, T, n), from core_lists (the parallel forward), or one per row (Bz, H_kv, n) kept by the
-    eviction policy (a decode step: kvcache.SubBlockCache); None in a mode without E-picks.
+    (Bz, H_kv, T, n), from core_lists, or one per row (Bz, H_kv, n) kept by the eviction policy (a
+    decode step: kvcache.SubBlockCache); None in a mode without E-picks.
     Returns the block mask (Bz, H_kv, T, nb)."""
     Q = pooling.query_aware_scores(q, K_sub, q_pos, nb, cfg)  # (Bz, H_kv, T, nb)
     if q.shape[2] == 1 and (core_ids is None or core_ids.dim() == 3):
@@ -211,22 +211,30 @@ def select(q, K_sub, core_ids, q_pos, nb, cfg):
     return select_blocks(Q, None, q_pos[:, None], cfg, core_ids)
 
 
-def core_lists(E, q_pos, cfg, first=None):
-    """Each query's list of its best n_core + k_q - 1 candidates by E, best first (eviction.core_list),
-    made once per query block, whose queries share their candidates: E (Bz, H_kv, nb), q_pos (Bz, T)
-    -> (Bz, H_kv, T, n). select_blocks with these lists selects what it selects from E itself.
-    first: the first query block, where the caller knows it (else read from q_pos: a host sync)."""
-    nb, T, q_blk = E.shape[-1], q_pos.shape[-1], q_pos // cfg.B  # (Bz, T)
-    if first is None:
-        first, last = int(q_blk.min()), int(q_blk.max())
-    else:  # T consecutive positions, the first of them in block `first`
-        last = first + (T + cfg.B - 2) // cfg.B
+def block_lists(E, first, last, cfg):
+    """The list of the best n_core + k_q - 1 candidates by E, best first (eviction.core_list), of each
+    query block first .. last, whose queries share their candidates: E (Bz, H_kv, nb) -> (Bz, H_kv, n_qb, n).
+    select_blocks with these lists selects what it selects from E itself."""
     blocks = torch.arange(first, last + 1, device=E.device)  # the query blocks (n_qb,)
-    b = torch.arange(nb, device=E.device)
+    b = torch.arange(E.shape[-1], device=E.device)
     cand = (b >= cfg.n_sink) & (b < blocks[:, None] - cfg.n_win)  # (n_qb, nb)
-    E = E[:, :, None].expand(*E.shape[:2], len(blocks), nb)
-    lists, _ = eviction.core_list(E, cand.expand_as(E), cfg.n_core + cfg.k_q_free)  # (Bz, H_kv, n_qb, n)
-    return lists.gather(2, (q_blk - first)[:, None, :, None].expand(*lists.shape[:2], -1, lists.shape[-1]))
+    E = E[:, :, None].expand(*E.shape[:2], len(blocks), E.shape[-1])
+    return eviction.core_list(E, cand.expand_as(E), cfg.n_core + cfg.k_q_free)[0]
+
+
+def query_lists(lists, q_pos, first, cfg):
+    """Each query's list from its block's: lists (Bz, H_kv, n_qb, n) of blocks first.., q_pos (Bz, T)
+    -> (Bz, H_kv, T, n)."""
+    i = (q_pos // cfg.B - first)[:, None, :, None]
+    return lists.gather(2, i.expand(*lists.shape[:2], -1, lists.shape[-1]))
+
+
+def core_lists(E, q_pos, cfg):
+    """Each query's list of its best n_core + k_q - 1 candidates by E: E (Bz, H_kv, nb), q_pos (Bz, T)
+    -> (Bz, H_kv, T, n)."""
+    q_blk = q_pos // cfg.B
+    first = int(q_blk.min())
+    return query_lists(block_lists(E, first, int(q_blk.max()), cfg), q_pos, first, cfg)
 
 
 def select_step(Q, core_ids, q_pos, cfg):
@@ -243,6 +251,33 @@ def select_step_torch(Q, core_ids, q_pos, cfg):
     return select_blocks(Q, None, q_pos[:, None], cfg, core_ids)
 
 
+def select_tiles(q, K_sub, lists, q_pos, nb, cfg, first):
+    """Γ(t) of the parallel forward's queries (training, a prefill's chunk), scored and selected
+    SELECT_ROWS queries at a time, in the form the training kernels read (attention.Tiles: for each
+    tile of BT queries the union of the blocks they selected and which of them selected each), so no
+    (T, nb) tensor is ever whole. lists: block_lists of the query blocks from `first` on, or None.
+    One Triton kernel on a GPU (select_tiles_triton), its twin select_tiles_torch elsewhere."""
+    Bz, T = q.shape[0], q.shape[2]
+    BT = attention.tile_size(cfg.G, cfg.B)
+    U, nT = min(nb, BT * cfg.k), triton.cdiv(T, BT)  # a tile's union holds at most BT * k blocks
+    idx = torch.full((Bz, cfg.H_kv, nT, U), -1, dtype=torch.int32, device=q.device)
+    bits, n = torch.zeros_like(idx), torch.zeros(Bz, cfg.H_kv, nT, dtype=torch.int32, device=q.device)
+    for t in range(0, T, SELECT_ROWS):  # a multiple of BT: chunks hold whole tiles
+        pos = q_pos[:, t:t + SELECT_ROWS]
+        Q = pooling.query_aware_scores(q[:, :, t:t + SELECT_ROWS], K_sub, pos, nb, cfg)  # (Bz, H_kv, R, nb)
+        f = select_tiles_triton if Q.is_cuda and Q.dtype == torch.float32 else select_tiles_torch
+        part = f(Q, lists, first, pos, cfg, BT, U)
+        for out, x in zip((idx, bits, n), part):
+            out[:, :, t // BT:t // BT + x.shape[2]] = x
+    return attention.Tiles(idx, bits, n, BT, T)
+
+
+def select_tiles_torch(Q, lists, first, q_pos, cfg, BT, U):
+    """Q (Bz, H_kv, T, nb) scores of T queries at q_pos (Bz, T) -> their tiles (idx, bits, n)."""
+    ids = None if lists is None else query_lists(lists, q_pos, first, cfg)
+    return attention.mask_to_tiles(select_blocks(Q, None, q_pos[:, None], cfg, ids), BT, U)
+
+
 def nosa_attention(q, k, v, c, cfg, start=0, pooled=None):
     """One attention layer for the queries at positions start .. start+T-1 over the keys 0 .. S-1,
     S = start + T: the training forward (start = 0, the whole sequence) and one chunk of a prefill
@@ -250,7 +285,8 @@ def nosa_attention(q, k, v, c, cfg, start=0, pooled=None):
 
     q: (Bz, H_q, T, d), k, v: (Bz, H_kv, S, d) with RoPE applied, c: (Bz, H_kv, S) eviction scores
     (None in `full` and `infllmv2` modes). pooled: (K̃, c̃) of those keys where the caller keeps them
-    (a prefill's chunks), else pooled here. Returns the output (Bz, H_q, T, d) and the block mask."""
+    (a prefill's chunks), else pooled here. Returns the output (Bz, H_q, T, d) and the selection
+    (attention.Tiles; None in `full` mode)."""
     Bz, _, T, _ = q.shape
     S = k.shape[2]
     q_pos = torch.arange(start, start + T, device=q.device).expand(Bz, T)
@@ -260,15 +296,12 @@ def nosa_attention(q, k, v, c, cfg, start=0, pooled=None):
         if pooled is None:
             pooled = pooling.compress_keys(k, cfg), None if c is None else pooling.pool_mean(c, cfg)
         K_sub, c_sub = pooled
-        nb, ids = pooling.n_blocks(S, cfg), None
-        if c is not None and cfg.n_core > 0:  # each query's list of the best candidates by E
-            ids = core_lists(eviction.eviction_block_scores(c_sub, nb, cfg), q_pos, cfg, start // cfg.B)
-        R = SELECT_ROWS
-        parts = [select(q[:, :, t:t + R], K_sub, None if ids is None else ids[:, :, t:t + R], q_pos[:, t:t + R], nb,
-                        cfg) for t in range(0, T, R)]
-        block_mask = torch.cat(parts, 2) if len(parts) > 1 else parts[0]
+        nb, lists, first = pooling.n_blocks(S, cfg), None, start // cfg.B
+        if c is not None and cfg.n_core > 0:  # each query block's list of the best candidates by E
+            lists = block_lists(eviction.eviction_block_scores(c_sub, nb, cfg), first, (S - 1) // cfg.B, cfg)
+        sel = select_tiles(q, K_sub, lists, q_pos, nb, cfg, first)
     bias = None if c is None else eviction.attention_bias(c, cfg.attn)
-    return attention.sparse_attention(q, k, v, bias, block_mask, q_pos, cfg), block_mask
+    return attention.sparse_attention(q, k, v, bias, sel, q_pos, cfg), sel
 
 
 def nosa_decode(q, k, v, c, layer, cache, cfg):
@@ -300,16 +333,15 @@ def _ordered(s):
 
 
 @triton.jit
-def _select_step_kernel(QS, IDS, POS, OUT, nb, H_kv: tl.constexpr, NBP: tl.constexpr, N_LIST: tl.constexpr,
-                        NLP: tl.constexpr, B: tl.constexpr, N_SINK: tl.constexpr, N_WIN: tl.constexpr,
-                        K: tl.constexpr, KQ: tl.constexpr, N_CORE: tl.constexpr):
-    """One program per row (sequence, KV head): Γ(t) as select_blocks makes it, over the nb blocks
-    in registers. The k_q - 1 best candidates by Q without sorting: the KQ-th best score by a search
-    over its bytes, then the entries tied with it from the most recent block down (top_desc's order)."""
-    r = tl.program_id(0)
+def _gamma(QS, IDS, OUT, q_blk, nb, NBP: tl.constexpr, N_LIST: tl.constexpr, NLP: tl.constexpr, B: tl.constexpr,
+           N_SINK: tl.constexpr, N_WIN: tl.constexpr, K: tl.constexpr, KQ: tl.constexpr, N_CORE: tl.constexpr):
+    """Γ(t) of one row (query token, KV head) as select_blocks makes it, over the nb blocks in registers:
+    QS the row's nb scores Q, IDS its list of the best candidates by E (N_LIST, best first), q_blk the
+    query's block; writes the row's mask (nb int8) to OUT. The k_q - 1 best candidates by Q without
+    sorting: the KQ-th best score by a search over its bytes, then the entries tied with it from the
+    most recent block down (top_desc's order)."""
     b = tl.arange(0, NBP)
     in_row = b < nb
-    q_blk = tl.load(POS + r // H_kv) // B
     causal = in_row & (b <= q_blk)
     forced = causal & ((b < N_SINK) | (b >= q_blk - N_WIN))
     cand = causal & ~forced
@@ -318,7 +350,7 @@ def _select_step_kernel(QS, IDS, POS, OUT, nb, H_kv: tl.constexpr, NBP: tl.const
     b0 = NBP  # ties with the KQ-th best are taken from block b0 on (later ones are more recent)
     pick_q = cand & (KQ > 0)
     if KQ > 0:
-        key = _ordered(tl.load(QS + r * nb + b, mask=cand, other=float("-inf")))  # non-candidates: -inf
+        key = _ordered(tl.load(QS + b, mask=cand, other=float("-inf")))  # non-candidates: -inf
         # kth = the largest t with at least KQ keys >= t (the KQ-th best, or the lowest key if fewer),
         # a byte at a time from the top (radix select): among the keys that agree with kth's bytes so
         # far, a histogram of the next byte; kth's byte is the highest d whose keys, with those already
@@ -341,18 +373,57 @@ def _select_step_kernel(QS, IDS, POS, OUT, nb, H_kv: tl.constexpr, NBP: tl.const
         b0 = tl.min(tl.where(tie & (later <= room), b, NBP), 0)  # the earliest tie taken
         pick_q = cand & (above | tie & (b >= b0))
     few = tl.sum(causal.to(tl.int32), 0) <= K  # fewer than k causal blocks: all of them
-    tl.store(OUT + r * nb + b, tl.where(few, causal, forced | pick_q).to(tl.int8), mask=in_row)
+    tl.store(OUT + b, tl.where(few, causal, forced | pick_q).to(tl.int8), mask=in_row)
     if N_CORE > 0:  # E-picks: the first N_CORE members of the list (best first) that Q did not take
         j = tl.arange(0, NLP)
-        ids = tl.load(IDS + r * N_LIST + j, mask=j < N_LIST, other=-1)
+        ids = tl.load(IDS + j, mask=j < N_LIST, other=-1)
         c_id = (ids >= N_SINK) & (ids < nb) & (ids < q_blk - N_WIN)  # candidates, as cand above
-        key_id = _ordered(tl.load(QS + r * nb + ids, mask=c_id, other=float("-inf")))
+        key_id = _ordered(tl.load(QS + ids, mask=c_id, other=float("-inf")))
         taken = c_id & ((key_id > kth) | (key_id == kth) & (ids >= b0)) & (KQ > 0)  # pick_q at the ids
         pick = (ids >= 0) & ~taken
         not_few = j * 0 + few.to(tl.int32) == 0  # a vector (the interpreter's masks must be)
         pick = pick & (tl.cumsum(pick.to(tl.int32), 0) <= N_CORE) & not_few
         tl.debug_barrier()  # the mask above is written before these entries are set
-        tl.store(OUT + r * nb + ids, tl.full([NLP], 1, tl.int8), mask=pick)
+        tl.store(OUT + ids, tl.full([NLP], 1, tl.int8), mask=pick)
+
+
+@triton.jit
+def _select_step_kernel(QS, IDS, POS, OUT, nb, H_kv: tl.constexpr, NBP: tl.constexpr, N_LIST: tl.constexpr,
+                        NLP: tl.constexpr, B: tl.constexpr, N_SINK: tl.constexpr, N_WIN: tl.constexpr,
+                        K: tl.constexpr, KQ: tl.constexpr, N_CORE: tl.constexpr):
+    """One program per row (sequence, KV head) of a decode step: its mask."""
+    r = tl.program_id(0)
+    _gamma(QS + r * nb, IDS + r * N_LIST, OUT + r * nb, tl.load(POS + r // H_kv) // B, nb, NBP, N_LIST, NLP, B,
+           N_SINK, N_WIN, K, KQ, N_CORE)
+
+
+@triton.jit
+def _select_tiles_kernel(QS, IDS, POS, SCRATCH, T_IDX, T_BITS, T_N, T, nb, first, NQB, U, H_kv: tl.constexpr,
+                         BT: tl.constexpr, NBP: tl.constexpr, N_LIST: tl.constexpr, NLP: tl.constexpr,
+                         B: tl.constexpr, N_SINK: tl.constexpr, N_WIN: tl.constexpr, K: tl.constexpr,
+                         KQ: tl.constexpr, N_CORE: tl.constexpr):
+    """One program per tile of BT queries and KV head: each query's mask in turn (_gamma, into the
+    program's scratch row), OR-ed into one bit per query and block; then the union, compacted."""
+    tile, bh = tl.program_id(0), tl.program_id(1)
+    prog = bh * tl.num_programs(0) + tile
+    row = SCRATCH + prog * NBP
+    blocks = tl.arange(0, NBP)
+    bits = tl.zeros([NBP], tl.int32)
+    for j in range(BT):
+        t = tile * BT + j
+        if t < T:
+            q_blk = tl.load(POS + (bh // H_kv) * T + t) // B
+            _gamma(QS + (bh * T + t) * nb, IDS + (bh * NQB + q_blk - first) * N_LIST, row, q_blk, nb, NBP, N_LIST,
+                   NLP, B, N_SINK, N_WIN, K, KQ, N_CORE)
+            tl.debug_barrier()
+            sel = tl.load(row + blocks, mask=blocks < nb, other=0)
+            bits = bits | (sel.to(tl.int32) << j)
+            tl.debug_barrier()  # read before the next query's mask overwrites it
+    union = bits != 0
+    at = tl.cumsum(union.to(tl.int32), 0) - 1  # place in the tile's list, ascending by block
+    tl.store(T_IDX + prog * U + at, blocks, mask=union)
+    tl.store(T_BITS + prog * U + at, bits, mask=union)
+    tl.store(T_N + prog, tl.sum(union.to(tl.int32), 0))
 
 
 def select_step_triton(Q, core_ids, q_pos, cfg):
@@ -366,3 +437,20 @@ def select_step_triton(Q, core_ids, q_pos, cfg):
                                       B=cfg.B, N_SINK=cfg.n_sink, N_WIN=cfg.n_win, K=cfg.k, KQ=max(cfg.k_q_free, 0),
                                       N_CORE=cfg.n_core if n else 0, num_warps=8)
     return out.view(torch.bool)
+
+
+def select_tiles_triton(Q, lists, first, q_pos, cfg, BT, U):
+    """The kernel; same arguments and result as select_tiles_torch."""
+    Bz, H_kv, T, nb = Q.shape
+    nT, NBP = triton.cdiv(T, BT), triton.next_power_of_2(nb)
+    n = lists.shape[-1] if lists is not None else 0
+    idx = torch.full((Bz, H_kv, nT, U), -1, dtype=torch.int32, device=Q.device)
+    bits, count = torch.zeros_like(idx), torch.empty(Bz, H_kv, nT, dtype=torch.int32, device=Q.device)
+    scratch = torch.empty(Bz * H_kv * nT, NBP, dtype=torch.int8, device=Q.device)
+    ids = lists.contiguous() if n else idx  # not read when there is no list
+    _select_tiles_kernel[(nT, Bz * H_kv)](
+        Q.contiguous(), ids, q_pos.contiguous(), scratch, idx, bits, count, T, nb, first,
+        lists.shape[2] if n else 1, U, H_kv=H_kv, BT=BT, NBP=NBP, N_LIST=n, NLP=triton.next_power_of_2(max(n, 1)),
+        B=cfg.B, N_SINK=cfg.n_sink, N_WIN=cfg.n_win, K=cfg.k, KQ=max(cfg.k_q_free, 0), N_CORE=cfg.n_core if n else 0,
+        num_warps=4)
+    return idx, bits, count

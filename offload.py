@@ -200,14 +200,15 @@ def prefill_bytes(cfg, T, C, dtype, stream_on_host=False):
     kept in host memory, one layer's K, V, c and pooled caches and a copy of them (the attention kernel
     reads the keys so far contiguous; the cache's prefill stacks K and V), and the largest of one
     chunk's activations: RoPE in fp32, scoring and selection (nosa.SELECT_ROWS queries at a time,
-    over nb blocks), the MLP. A bound checked against the measured peak on the GPU."""
+    over nb blocks; the selection kept as tiles), the MLP. A bound checked against the measured peak on the GPU."""
     H, H_q, d, dim = cfg.H_kv, cfg.H_q, cfg.head_dim, cfg.dim
     elt, C = torch.empty((), dtype=dtype).element_size(), min(C, T)
     nb = math.ceil(T / cfg.B)
     whole = (0 if stream_on_host else T * dim * elt) + 2 * H * T * (2 * d * elt + 4) + H * (T // cfg.s_c + 1) * (
         d * elt + 4)
-    live = 2 * (H_q + 2 * H) * d * elt + 4 * dim * elt + (H * nb * 6 if cfg.sparse else 0)  # q, k, v; Q, masks
-    select = min(C, nosa.SELECT_ROWS) * H * nb * 48 if cfg.sparse else 0
+    # q, k, v; the selection as tiles (attention.Tiles: at most k block ids and bits a query, int32)
+    live = 2 * (H_q + 2 * H) * d * elt + 4 * dim * elt + (H * 8 * cfg.k if cfg.sparse else 0)
+    select = min(C, nosa.SELECT_ROWS) * H * nb * 20 if cfg.sparse else 0  # the scores Q and their parts, fp32
     peak = max(16 * H_q * d, 4 * cfg.hidden_dim * elt + dim * (8 + 2 * elt)) * C
     return whole + C * live + max(select, peak) + 2**27  # and 128 MiB for workspaces
 

@@ -13,67 +13,66 @@ from bench import graph_time, hbm_bandwidth
 from nosa import Config
 
 
-def paper_mask(Bz, H_kv, T, cfg, device, seed=0):
-    """The real selection (nosa.select_blocks) on synthetic scores with the structure of real ones:
-    E fixed per block; Q a smooth random field over (query block, key block) plus per-token noise, so
-    neighbouring queries prefer similar blocks, as the queries of adjacent tokens do."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    nb, nq = T // cfg.B, T // cfg.B
-    E = torch.rand(Bz, H_kv, nb, device=device, generator=g)
-    field = torch.rand(Bz, H_kv, nq, nb, device=device, generator=g)
-    Q = field.repeat_interleave(cfg.B, 2) + 0.3 * torch.rand(Bz, H_kv, T, nb, device=device, generator=g)
-    return nosa.select_blocks(Q, E, torch.arange(T, device=device)[None, None], cfg)
-
-
-def bench_prefill(H_q=32, H_kv=2, d=128, lengths=(16384, 32768, 65536, 131072), forward_only=(262144,)):
+def bench_prefill(H_q=32, H_kv=2, d=128, lengths=(16384, 32768, 65536, 131072), forward_only=(262144,),
+                  modes=("nosa", "infllmv2")):
     """One layer's training / prefill attention at the paper defaults, bf16, batch 1, random q, k, v, c:
-    nosa_attention (scoring, selection, attention) against causal SDPA (flash, GQA) in the same run,
-    forward for every length and forward + backward for `lengths`; the share of each phase and the
-    TFLOP/s of useful work (the keys each query attends to: min(t + 1, k·B) for nosa)."""
-    cfg = Config.from_preset("paper")
+    nosa_attention (scoring, selection, attention) in each mode against causal SDPA (flash, GQA) in the
+    same run, forward for every length and forward + backward for `lengths`; the share of each phase,
+    the TFLOP/s of useful work (the keys each query attends to: min(t + 1, k·B)) and the mean union of
+    blocks a tile of queries reads (tile_union; a query selects k)."""
     rows = []
     for T in lengths + forward_only:
         torch.manual_seed(0)
         bwd = T in lengths
         q = torch.randn(1, H_q, T, d, device="cuda", dtype=torch.bfloat16, requires_grad=bwd)
         k, v = (torch.randn(1, H_kv, T, d, device="cuda", dtype=torch.bfloat16, requires_grad=bwd) for _ in range(2))
-        c = torch.randn(1, H_kv, T, device="cuda", requires_grad=bwd)
-        pos, nb = torch.arange(T, device="cuda")[None], pooling.n_blocks(T, cfg)
-        K_sub, c_sub = pooling.compress_keys(k.detach(), cfg), pooling.pool_mean(c.detach(), cfg)
-        reps, R = max(3, 2**17 // T * 4), nosa.SELECT_ROWS
+        c0 = torch.randn(1, H_kv, T, device="cuda", requires_grad=bwd)
+        do = torch.randn_like(q)
+        reps = max(3, 2**17 // T * 4)
         ms = lambda f: timed(f, reps)
         with torch.no_grad():
-            t_score = ms(lambda: pooling.query_aware_scores(q, K_sub, pos, nb, cfg))
-            def sel():  # nosa_attention's selection
-                ids = nosa.core_lists(eviction.eviction_block_scores(c_sub, nb, cfg), pos, cfg, 0)
-                return torch.cat([nosa.select(q[:, :, t:t + R], K_sub, ids[:, :, t:t + R], pos[:, t:t + R], nb, cfg)
-                                  for t in range(0, T, R)], 2)
-
-            t_select = ms(sel)  # scoring included
-            mask = sel()
-            t_attn = ms(lambda: attention.SparseAttention.apply(q, k, v, c, mask, pos, cfg.B))
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            t_fwd = ms(lambda: nosa.nosa_attention(q, k, v, c, cfg))
-            peak = torch.cuda.max_memory_allocated() - base
             t_sdpa = ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
-        keys = torch.arange(1, T + 1, device="cuda").clamp(max=cfg.k * cfg.B).sum().item()
-        useful, dense = 4 * d * H_q * keys, 4 * d * H_q * T * (T + 1) / 2  # FLOP: q·k and p·v
-        row = dict(T=T, nosa_fwd_ms=round(t_fwd, 2), sdpa_fwd_ms=round(t_sdpa, 2),
-                   sdpa_over_nosa_fwd=round(t_sdpa / t_fwd, 2), score_ms=round(t_score, 2),
-                   select_ms=round(t_select - t_score, 2), attention_ms=round(t_attn, 2),
-                   attention_tflops=round(useful / t_attn / 1e9, 1), sdpa_tflops=round(dense / t_sdpa / 1e9, 1),
-                   nosa_fwd_peak_gb=round(peak / 2**30, 2))
-        if bwd:
-            do = torch.randn_like(q)
-            fb = lambda: nosa.nosa_attention(q, k, v, c, cfg)[0].backward(do)
-            t_fb = ms(fb)
-            t_sdpa_fb = ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).backward(do))
-            row.update(nosa_fwd_bwd_ms=round(t_fb, 2), sdpa_fwd_bwd_ms=round(t_sdpa_fb, 2),
-                       sdpa_over_nosa_fwd_bwd=round(t_sdpa_fb / t_fb, 2))
-        rows.append(row)
-        print(row, flush=True)
-        torch.cuda.empty_cache()
+        t_sdpa_fb = ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).backward(do)) \
+            if bwd else None
+        for mode in modes:
+            cfg = Config.from_preset("paper", attn=mode)
+            c = c0 if cfg.eviction_head else None
+            pos, nb = torch.arange(T, device="cuda")[None], pooling.n_blocks(T, cfg)
+            with torch.no_grad():
+                K_sub = pooling.compress_keys(k, cfg)
+                t_score = ms(lambda: [pooling.query_aware_scores(q[:, :, t:t + nosa.SELECT_ROWS], K_sub,
+                                                                 pos[:, t:t + nosa.SELECT_ROWS], nb, cfg)
+                                      for t in range(0, T, nosa.SELECT_ROWS)])
+
+                def sel():  # nosa_attention's selection
+                    lists = None
+                    if c is not None:
+                        E = eviction.eviction_block_scores(pooling.pool_mean(c, cfg), nb, cfg)
+                        lists = nosa.block_lists(E, 0, nb - 1, cfg)
+                    return nosa.select_tiles(q, K_sub, lists, pos, nb, cfg, 0)
+
+                t_select = ms(sel)  # scoring included
+                tiles = sel()
+                t_attn = ms(lambda: attention.SparseAttention.apply(q, k, v, c, tiles, pos, cfg.B))
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                t_fwd = ms(lambda: nosa.nosa_attention(q, k, v, c, cfg))
+                peak = torch.cuda.max_memory_allocated() - base
+            keys = torch.arange(1, T + 1, device="cuda").clamp(max=cfg.k * cfg.B).sum().item()
+            useful, dense = 4 * d * H_q * keys, 4 * d * H_q * T * (T + 1) / 2  # FLOP: q·k and p·v
+            row = dict(T=T, mode=mode, nosa_fwd_ms=round(t_fwd, 2), sdpa_fwd_ms=round(t_sdpa, 2),
+                       sdpa_over_nosa_fwd=round(t_sdpa / t_fwd, 2), score_ms=round(t_score, 2),
+                       select_ms=round(t_select - t_score, 2), attention_ms=round(t_attn, 2),
+                       attention_tflops=round(useful / t_attn / 1e9, 1), sdpa_tflops=round(dense / t_sdpa / 1e9, 1),
+                       nosa_fwd_peak_gb=round(peak / 2**30, 2), tile_union=round(tiles.n.float().mean().item(), 1))
+            if bwd:
+                t_fb = ms(lambda: nosa.nosa_attention(q, k, v, c, cfg)[0].backward(do))
+                row.update(nosa_fwd_bwd_ms=round(t_fb, 2), sdpa_fwd_bwd_ms=round(t_sdpa_fb, 2),
+                           sdpa_over_nosa_fwd_bwd=round(t_sdpa_fb / t_fb, 2))
+            rows.append(row)
+            print(row, flush=True)
+            del tiles
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -118,7 +117,8 @@ def bench_decode(H_q=32, H_kv=2, d=128):
                 Bz, H_kv, 1, -1), True)
             mask[..., -1] = True  # the query's own block
             qpos = pos[:, None]
-            t_res = do_bench(lambda: attention.SparseAttention.apply(q, kk, vv, bias, mask, qpos, cfg.B),
+            tiles = attention.Tiles(*attention.mask_to_tiles(mask, 1, cfg.k), 1, 1)
+            t_res = do_bench(lambda: attention.SparseAttention.apply(q, kk, vv, bias, tiles, qpos, cfg.B),
                              warmup=20, rep=200, return_mode="median")  # the training kernel
             t_res_dec = graph_time(lambda: decode.sparse_decode_triton(q, kk, vv, bias, mask, pos, cfg.B, cfg.k))
             t_sdpa = do_bench(lambda: F.scaled_dot_product_attention(q, kk, vv, enable_gqa=True),

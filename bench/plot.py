@@ -16,11 +16,15 @@ def load(name):
 def plot_prefill(plt):
     """One layer's forward (and forward + backward) against dense SDPA, by sequence length."""
     rows = load("prefill.json")
-    T = [r["T"] // 1024 for r in rows]
+    nosa = [r for r in rows if r.get("mode", "nosa") == "nosa"]
+    T = [r["T"] // 1024 for r in nosa]
     fig, ax = plt.subplots(figsize=(6, 3.6))
-    ax.plot(T, [r["sdpa_fwd_ms"] for r in rows], "o-", label="dense SDPA (flash), forward")
-    ax.plot(T, [r["nosa_fwd_ms"] for r in rows], "o-", label="nosa, forward")
-    fb = [r for r in rows if "nosa_fwd_bwd_ms" in r]
+    ax.plot(T, [r["sdpa_fwd_ms"] for r in nosa], "o-", label="dense SDPA (flash), forward")
+    ax.plot(T, [r["nosa_fwd_ms"] for r in nosa], "o-", label="nosa, forward")
+    inf = [r for r in rows if r.get("mode") == "infllmv2"]
+    if inf:
+        ax.plot([r["T"] // 1024 for r in inf], [r["nosa_fwd_ms"] for r in inf], "o:", label="infllmv2, forward")
+    fb = [r for r in nosa if "nosa_fwd_bwd_ms" in r]
     ax.plot([r["T"] // 1024 for r in fb], [r["sdpa_fwd_bwd_ms"] for r in fb], "s--", label="dense SDPA, fwd + bwd")
     ax.plot([r["T"] // 1024 for r in fb], [r["nosa_fwd_bwd_ms"] for r in fb], "s--", label="nosa, fwd + bwd")
     ax.set(xscale="log", yscale="log", xlabel="sequence length (K tokens)", ylabel="ms, one layer",

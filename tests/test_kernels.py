@@ -25,21 +25,26 @@ def random_block_mask(Bz, H_kv, T, B, k, q_pos):
     return mask & (b <= q_blk) & (torch.rand_like(score) < 0.8) | (b == q_blk)
 
 
+def tiles(mask, BT, k):
+    """The training kernels' form of a block mask (attention.Tiles)."""
+    return attention.Tiles(*attention.mask_to_tiles(mask, BT, min(mask.shape[-1], BT * k)), BT, mask.shape[2])
+
+
 def rel_err(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
 
 
-CASES = [  # (G, d, T, B, k): T not a multiple of B; T < k*B (all blocks fit) and T > k*B
-    (1, 64, 37, 16, 4),
-    (2, 128, 70, 16, 2),
-    (4, 64, 100, 16, 3),
-    (16, 64, 45, 16, 8),
+CASES = [  # (G, d, T, B, k, BT): T not a multiple of B nor of the tile BT; T < k*B (all blocks fit) and T > k*B
+    (1, 64, 37, 16, 4, 16),
+    (2, 128, 70, 16, 2, 32),
+    (4, 64, 100, 16, 3, 8),
+    (16, 64, 45, 16, 8, 8),
 ]
 
 
-@pytest.mark.parametrize("G, d, T, B, k", CASES)
+@pytest.mark.parametrize("G, d, T, B, k, BT", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if DEV == "cuda" else []))
-def test_sparse_attention_kernel_matches_twin(G, d, T, B, k, dtype):
+def test_sparse_attention_kernel_matches_twin(G, d, T, B, k, BT, dtype):
     Bz, H_kv = 2, 2
     tol = 2e-2 if dtype == torch.bfloat16 else FP32_TOL
     q = torch.randn(Bz, H_kv * G, T, d, device=DEV, dtype=dtype, requires_grad=True)
@@ -48,13 +53,15 @@ def test_sparse_attention_kernel_matches_twin(G, d, T, B, k, dtype):
     c = torch.randn(Bz, H_kv, T, device=DEV, requires_grad=True)
     q_pos = torch.arange(T, device=DEV).expand(Bz, T)
     mask = random_block_mask(Bz, H_kv, T, B, k, q_pos)
+    sel = tiles(mask, BT, k)
+    assert torch.equal(sel.mask(mask.shape[-1]), mask)
     do = torch.randn(Bz, H_kv * G, T, d, device=DEV, dtype=dtype)
     outs = []
     for fn in (attention.sparse_attention_torch, None):
         for t in (q, kk, v, c):
             t.grad = None
         if fn is None:
-            o = attention.SparseAttention.apply(q, kk, v, c, mask, q_pos, B)
+            o = attention.SparseAttention.apply(q, kk, v, c, sel, q_pos, B)
         else:
             o = fn(q, kk, v, c, mask, q_pos, B)
         o.backward(do)
@@ -74,7 +81,7 @@ def test_sparse_attention_kernel_ragged_decode_positions():
     q_pos = torch.tensor([[5], [47], [89]], device=DEV)
     mask = random_block_mask(Bz, H_kv, 1, B, k, q_pos)
     want = attention.sparse_attention_torch(q, kk, v, None, mask, q_pos, B)
-    got = attention.SparseAttention.apply(q, kk, v, None, mask, q_pos, B, k)  # T = 1: the union bound is k
+    got = attention.SparseAttention.apply(q, kk, v, None, tiles(mask, 1, k), q_pos, B)
     assert rel_err(got, want) < FP32_TOL
     for bias in (None, c):
         want = attention.sparse_attention_torch(q, kk, v, bias, mask, q_pos, B)

@@ -66,7 +66,8 @@ def test_sparsity_is_active():
     T = 300
     q = torch.randn(1, cfg.H_q, T, cfg.head_dim)
     k, v = torch.randn(2, 1, cfg.H_kv, T, cfg.head_dim)
-    _, mask = nosa.nosa_attention(q, k, v, torch.randn(1, cfg.H_kv, T), cfg)
+    _, sel = nosa.nosa_attention(q, k, v, torch.randn(1, cfg.H_kv, T), cfg)
+    mask = sel.mask((T + cfg.B - 1) // cfg.B)
     assert (mask.sum(-1) == torch.clamp(torch.arange(T) // cfg.B + 1, max=cfg.k)).all()
 
 

@@ -3,6 +3,7 @@ import pytest
 import torch
 from hypothesis import assume, given, settings, strategies as st
 
+import attention
 import eviction
 import nosa
 import pooling
@@ -189,6 +190,38 @@ def test_select_step_kernel_equals_twin(cfg, data, attn):
     assert torch.equal(got.cpu(), want)
 
 
+@settings(max_examples=30, deadline=None)
+@given(cfg=configs(), data=st.data(), attn=st.sampled_from(["nosa", "infllmv2", "dma"]))
+def test_select_tiles_kernel_equals_twin(cfg, data, attn):
+    """The parallel forward's selection as one Triton kernel (interpreted on CPU), written as tiles of
+    BT queries (union, bits, count) == the torch code, and those tiles hold select_blocks' mask: random
+    configs and modes, a chunk of queries starting anywhere (tiles across block boundaries), ties."""
+    from dataclasses import replace
+    cfg = replace(cfg, attn=attn)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    Bz, H, nb = 2, 2, data.draw(st.integers(1, 40))
+    T = data.draw(st.integers(1, min(nb * cfg.B, 3 * cfg.B)))
+    start = data.draw(st.integers(0, nb * cfg.B - T))
+    q_pos = (start + torch.arange(T)).expand(Bz, T)
+    nb = (start + T - 1) // cfg.B + 1  # the blocks the chunk's keys span
+    first, BT = start // cfg.B, data.draw(st.sampled_from([1, 2, 8]))
+    Q = torch.randint(0, 4, (Bz, H, T, nb), generator=g).float()  # ties everywhere
+    lists = None
+    if cfg.eviction_head and cfg.n_core > 0:
+        E = torch.randint(0, 3, (Bz, H, nb), generator=g).float()
+        lists = nosa.block_lists(E, first, nb - 1, cfg)
+    U = min(nb, BT * cfg.k)
+    want = nosa.select_tiles_torch(Q, lists, first, q_pos, cfg, BT, U)
+    got = nosa.select_tiles_triton(Q.to(dev), None if lists is None else lists.to(dev), first, q_pos.to(dev), cfg,
+                                   BT, U)
+    for w, x in zip(want, got):
+        assert torch.equal(x.cpu(), w)
+    ids = None if lists is None else nosa.query_lists(lists, q_pos, first, cfg)
+    mask = nosa.select_blocks(Q, None, q_pos[:, None], cfg, ids)
+    assert torch.equal(attention.Tiles(*want, BT, T).mask(nb), mask)
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_parallel_selection_equals_decode_selection(tied):
     """The selection of token t in the parallel forward equals that at step t of decoding, which
@@ -201,7 +234,7 @@ def test_parallel_selection_equals_decode_selection(tied):
     k = torch.randn(Bz, cfg.H_kv, T, cfg.head_dim, dtype=torch.float64)
     v = torch.randn_like(k)
     c = torch.randint(0, 3, (Bz, cfg.H_kv, T)).double() if tied else torch.randn(Bz, cfg.H_kv, T, dtype=torch.float64)
-    _, par = nosa.nosa_attention(q, k, v, c, cfg)  # (Bz, H_kv, T, nb)
+    par = nosa.nosa_attention(q, k, v, c, cfg)[1].mask(pooling.n_blocks(T, cfg))  # (Bz, H_kv, T, nb)
     assert not par[:, :, -1].all(), "test too short: sparsity never kicks in"
     sub = SubBlockCache(cfg, Bz, "cpu", torch.float64)
     starts = [5, 40]
