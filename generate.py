@@ -20,6 +20,7 @@ import torch
 
 import checkpoint
 import common
+import fusion
 import nosa
 import offload as nosi  # NOSI, the offloaded cache (`offload` is a flag here)
 from kvcache import KVCache
@@ -254,6 +255,8 @@ def main(checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, prompt=DEFAULT_PROMPT, ma
     host = host_budget * 2**30 if host_budget else (nosi.host_bytes_available() if offload else None)
     chunk, on_host = nosi.plan_memory(model.cfg, weights, batch, P, max_len, dtype, gpu, host, offload, chunk)
     model.fuse_projections()  # a decode step: one matrix product for q, k, v, one for gate and up
+    if "NOSA_FUSE" not in os.environ:  # torch.compile costs seconds a process (imports, compiles, cache reads):
+        fusion.FUSE = batch * max_new_tokens >= 2048  # worth it for long decodes only; NOSA_FUSE=1/0 decides
     ids = [ids[i % n_prompts] for i in range(batch)]  # prompts are cycled over the batch
     if offload:
         cache = nosi.OffloadCache(model.cfg, batch, device, dtype, max_len=max_len, host_budget=host)

@@ -12,8 +12,8 @@ Three implementations of each primitive, chosen per call:
                    host memory through its device pointer)
   flush_tails      full tail blocks written back to the host store and kept in a free slot
 """
+import ctypes
 import os
-import sys
 import warnings
 
 import torch
@@ -130,22 +130,84 @@ def flush_tails_triton(host, pool, slot_block, block_slot, pos, H_kv, B):
                               KP=triton.next_power_of_2(k))
 
 
+class UvaCopy:
+    """uva_copy.cu's entry points through ctypes: the checks its kernels rely on, then one launch on
+    the current CUDA stream (so a CUDA graph captures it)."""
+
+    def __init__(self, path):
+        self.lib = lib = ctypes.CDLL(path)
+        p, i = ctypes.c_void_p, ctypes.c_int64
+        lib.uva_error_string.restype = ctypes.c_char_p
+        lib.uva_error_string.argtypes = [ctypes.c_int]
+        lib.uva_set_difference.argtypes = [p, p, p, p, i, i, i, i, p]
+        lib.uva_gather_units.argtypes = [p, i, p, p, i, i, i, i, i, i, p]
+        lib.uva_flush_tails.argtypes = [p, i, p, p, p, p, i, i, i, i, i, i, p]
+
+    def _run(self, fn, *args):
+        e = fn(*args, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+        if e:
+            raise RuntimeError(f"uva_copy: {fn.__name__} failed: {self.lib.uva_error_string(e).decode()}")
+
+    @staticmethod
+    def _check(tensors, dtype=None):
+        for name, t in tensors.items():
+            if not t.is_contiguous() or (dtype is not None and t.dtype != dtype):
+                raise ValueError(f"uva_copy: {name} must be a contiguous {dtype or 'tensor'}")
+
+    @staticmethod
+    def _unit_words(host, pool, R, n_slots):
+        """16-byte words per unit, and the store's allocation base and offset (pinned, UVA)."""
+        if host.is_cuda or not host.is_pinned() or host.dtype != pool.dtype or not pool.is_cuda:
+            raise ValueError("uva_copy: the host store must be pinned CPU memory, the pool CUDA memory, same dtype")
+        unit = host.numel() // (R * host.shape[1]) * host.element_size()
+        if unit % 16 or pool.numel() // (R * n_slots) * pool.element_size() != unit or unit // 16 * 1024 >= 2**31:
+            raise ValueError(f"uva_copy: units of the store and the pool must be equal multiples of 16 bytes up to "
+                             f"32 MiB (got {unit} bytes)")
+        base = host.untyped_storage().data_ptr()
+        return unit // 16, ctypes.c_void_p(base), host.data_ptr() - base
+
+    def set_difference(self, need, slot_block, block_slot, fetch):
+        self._check(dict(need=need, slot_block=slot_block, block_slot=block_slot, fetch=fetch), torch.int64)
+        R, k = slot_block.shape
+        self._run(self.lib.uva_set_difference, need.data_ptr(), slot_block.data_ptr(), block_slot.data_ptr(),
+                  fetch.data_ptr(), R, need.shape[1], k, block_slot.shape[1])
+
+    def gather_units(self, host, pool, fetch, ctas=0):
+        self._check(dict(host=host, pool=pool))
+        self._check(dict(fetch=fetch), torch.int64)
+        R, k = fetch.shape
+        U16, base, offset = self._unit_words(host, pool, R, pool.shape[1])
+        if pool.shape[0] != R or host.shape[0] != R or pool.shape[1] < k:
+            raise ValueError("uva_copy: the shapes of the store, the pool and the fetch list disagree")
+        self._run(self.lib.uva_gather_units, base, offset, pool.data_ptr(), fetch.data_ptr(), R, k, pool.shape[1],
+                  host.shape[1], U16, ctas)
+
+    def flush_tails(self, host, pool, slot_block, block_slot, pos, H_kv, B):
+        self._check(dict(host=host, pool=pool))
+        self._check(dict(slot_block=slot_block, block_slot=block_slot, pos=pos), torch.int64)
+        R, k = slot_block.shape
+        U16, base, offset = self._unit_words(host, pool, R, k + 1)
+        if pool.shape[:2] != (R, k + 1) or block_slot.shape[1] != host.shape[1] or pos.shape[0] * H_kv != R:
+            raise ValueError("uva_copy: the shapes of the store, the pool, the tables and the positions disagree")
+        self._run(self.lib.uva_flush_tails, base, offset, pool.data_ptr(), slot_block.data_ptr(), block_slot.data_ptr(),
+                  pos.data_ptr(), R, H_kv, B, k, host.shape[1], U16)
+
+
 _ext = None
 
 
 def _kernels(device):
-    """The compiled uva_copy extension on CUDA, or None: then the Triton kernels move the blocks on a
-    GPU, the twins on a CPU. Built once per machine (torch caches it); one warning if it cannot be."""
+    """The compiled uva_copy library on CUDA, or None: then the Triton kernels move the blocks on a
+    GPU, the twins on a CPU. Built once per machine by nvcc (torch caches it, a few seconds; no torch
+    headers in it); one warning if it cannot be."""
     global _ext
     if torch.device(device).type != "cuda":
         return None
     if _ext is None:
         try:
             from torch.utils.cpp_extension import load
-            print("offload: loading uva_copy.cu (nvcc builds it on the first run, about a minute; then cached)",
-                  file=sys.stderr, flush=True)
             src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "uva_copy.cu")
-            _ext = load(name="uva_copy", sources=[src], extra_cuda_cflags=["-O3"], verbose=False)
+            _ext = UvaCopy(load(name="uva_copy", sources=[src], extra_cuda_cflags=["-O3"], is_python_module=False))
         except Exception as e:  # no nvcc, a CPU-only torch, a compiler error
             warnings.warn(f"uva_copy.cu did not build ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
                           f"the Triton gather runs instead (see BENCHMARKS.md for the difference)")

@@ -1,5 +1,7 @@
 // NOSI transfer kernels (docs/METHOD.md §6), built on first use by transfer.py with
-// torch.utils.cpp_extension.load. Both run on the current CUDA stream and never wait for the host.
+// torch.utils.cpp_extension.load as a plain library (no torch or pybind11 headers: nvcc compiles it in
+// seconds) and called through ctypes with raw pointers, sizes and the caller's CUDA stream; transfer.py
+// checks shapes, dtypes and layouts before each call. They never wait for the host.
 //
 // Notation: R rows = (sequence, KV head) pairs of one layer; k slots per row on the GPU;
 // a *unit* is one KV block, K then V: 2 * B * d elements, contiguous in the host store and in a slot.
@@ -19,8 +21,7 @@
 //   write it to host[row, pos / B] through the same mapping and copy it into the first free slot,
 //   updating both tables. Rows whose tail is not full return at once, so the host never has to
 //   look at the positions: the whole decode step stays free of syncs (and can be a CUDA graph).
-#include <torch/extension.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <cstdint>
 #include <cuda_runtime.h>
 
 namespace {
@@ -212,81 +213,52 @@ __global__ void flush_tails_kernel(int4* __restrict__ host,              // (R, 
   }
 }
 
-#define CHECK_CUDA(call)                                                                  \
-  do {                                                                                    \
-    cudaError_t e = (call);                                                               \
-    TORCH_CHECK(e == cudaSuccess, "uva_copy: ", #call, " failed: ", cudaGetErrorString(e)); \
-  } while (0)
-
-void* device_pointer(const torch::Tensor& host) {
-  // the device address of pinned host memory (UVA): the registered base's, plus the view's offset
-  const char* base = static_cast<const char*>(host.storage().data());
-  void* dev = nullptr;
-  CHECK_CUDA(cudaHostGetDevicePointer(&dev, const_cast<char*>(base), 0));
-  return static_cast<char*>(dev) + (static_cast<const char*>(host.data_ptr()) - base);
-}
-
 }  // namespace
 
-void set_difference(torch::Tensor need, torch::Tensor slot_block, torch::Tensor block_slot, torch::Tensor fetch) {
-  TORCH_CHECK(need.is_cuda() && slot_block.is_cuda() && block_slot.is_cuda() && fetch.is_cuda(), "CUDA tensors expected");
-  TORCH_CHECK(need.scalar_type() == torch::kInt64 && slot_block.scalar_type() == torch::kInt64 &&
-              block_slot.scalar_type() == torch::kInt64 && fetch.scalar_type() == torch::kInt64, "int64 tensors expected");
-  TORCH_CHECK(need.is_contiguous() && slot_block.is_contiguous() && block_slot.is_contiguous() && fetch.is_contiguous(),
-              "contiguous tensors expected");
-  int64_t R = slot_block.size(0), k = slot_block.size(1);
-  TORCH_CHECK(k <= MAX_K && need.size(1) <= k, "uva_copy: at most ", MAX_K, " slots per row, and no more needed blocks");
-  if (R == 0) return;
+// The entry points: each returns a cudaError_t (0 = success); uva_error_string says what it means.
+extern "C" {
+
+const char* uva_error_string(int e) { return cudaGetErrorString(static_cast<cudaError_t>(e)); }
+
+// the device address of pinned host memory (UVA) at `offset` bytes into the allocation at `base`
+static cudaError_t device_pointer(void* base, int64_t offset, void** dev) {
+  cudaError_t e = cudaHostGetDevicePointer(dev, base, 0);
+  *dev = static_cast<char*>(*dev) + offset;
+  return e;
+}
+
+int uva_set_difference(const int64_t* need, int64_t* slot_block, int64_t* block_slot, int64_t* fetch, int64_t R,
+                       int64_t n_need, int64_t k, int64_t cap, void* stream) {
+  if (k > MAX_K || n_need > k) return cudaErrorInvalidValue;  // at most MAX_K slots, no more needed blocks
+  if (R == 0) return cudaSuccess;
   int threads = (int)((k + 31) / 32 * 32);
-  set_difference_kernel<<<R, threads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      need.data_ptr<int64_t>(), slot_block.data_ptr<int64_t>(), block_slot.data_ptr<int64_t>(),
-      fetch.data_ptr<int64_t>(), need.size(1), k, block_slot.size(1));
-  CHECK_CUDA(cudaGetLastError());
+  set_difference_kernel<<<R, threads, 0, static_cast<cudaStream_t>(stream)>>>(need, slot_block, block_slot, fetch,
+                                                                               n_need, k, cap);
+  return cudaGetLastError();
 }
 
-void gather_units(torch::Tensor host, torch::Tensor pool, torch::Tensor fetch, int64_t ctas) {
-  TORCH_CHECK(!host.is_cuda() && host.is_pinned(), "uva_copy: the host store must be pinned CPU memory");
-  TORCH_CHECK(pool.is_cuda() && fetch.is_cuda() && fetch.scalar_type() == torch::kInt64, "uva_copy: bad pool/fetch");
-  TORCH_CHECK(host.is_contiguous() && pool.is_contiguous() && fetch.is_contiguous(), "contiguous tensors expected");
-  TORCH_CHECK(host.scalar_type() == pool.scalar_type(), "host and pool dtypes differ");
-  int64_t R = host.size(0), cap = host.size(1), k = fetch.size(1), n_slots = pool.size(1);
-  int64_t unit_bytes = host.numel() / (R * cap) * host.element_size();
-  TORCH_CHECK(unit_bytes % 16 == 0, "uva_copy: a unit must be a multiple of 16 bytes");
-  TORCH_CHECK(unit_bytes / 16 * CHUNK < (1LL << 31), "uva_copy: units of at most 32 MiB");
-  TORCH_CHECK(pool.size(0) == R && fetch.size(0) == R && n_slots >= k, "uva_copy: shapes disagree");
-  TORCH_CHECK(pool.numel() / (R * n_slots) * pool.element_size() == unit_bytes, "uva_copy: unit sizes differ");
-  if (R * k == 0) return;
-  int64_t grid = ctas > 0 ? std::min(ctas, R * k) : R * k;  // ctas: at most that many blocks, each loops
-  gather_units_kernel<<<grid, THREADS, 0, at::cuda::getCurrentCUDAStream()>>>(
-      static_cast<const int4*>(device_pointer(host)), static_cast<int4*>(pool.data_ptr()), fetch.data_ptr<int64_t>(),
-      R * k, k, n_slots, cap, unit_bytes / 16);
-  CHECK_CUDA(cudaGetLastError());
+int uva_gather_units(void* host_base, int64_t host_offset, void* pool, const int64_t* fetch, int64_t R, int64_t k,
+                     int64_t n_slots, int64_t cap, int64_t U16, int64_t ctas, void* stream) {
+  if (R * k == 0) return cudaSuccess;
+  void* host = nullptr;
+  cudaError_t e = device_pointer(host_base, host_offset, &host);
+  if (e != cudaSuccess) return e;
+  int64_t grid = ctas > 0 ? (ctas < R * k ? ctas : R * k) : R * k;  // ctas: at most that many blocks, each loops
+  gather_units_kernel<<<grid, THREADS, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const int4*>(host), static_cast<int4*>(pool), fetch, R * k, k, n_slots, cap, U16);
+  return cudaGetLastError();
 }
 
-void flush_tails(torch::Tensor host, torch::Tensor pool, torch::Tensor slot_block, torch::Tensor block_slot,
-                 torch::Tensor pos, int64_t H_kv, int64_t B) {
-  TORCH_CHECK(!host.is_cuda() && host.is_pinned(), "uva_copy: the host store must be pinned CPU memory");
-  TORCH_CHECK(pool.is_cuda() && slot_block.is_cuda() && block_slot.is_cuda() && pos.is_cuda(), "CUDA tensors expected");
-  TORCH_CHECK(slot_block.scalar_type() == torch::kInt64 && block_slot.scalar_type() == torch::kInt64 &&
-              pos.scalar_type() == torch::kInt64, "int64 tables and positions expected");
-  TORCH_CHECK(host.is_contiguous() && pool.is_contiguous() && slot_block.is_contiguous() && block_slot.is_contiguous() &&
-              pos.is_contiguous(), "contiguous tensors expected");
-  TORCH_CHECK(host.scalar_type() == pool.scalar_type(), "host and pool dtypes differ");
-  int64_t R = host.size(0), cap = host.size(1), k = slot_block.size(1);
-  int64_t unit_bytes = host.numel() / (R * cap) * host.element_size();
-  TORCH_CHECK(unit_bytes % 16 == 0, "uva_copy: a unit must be a multiple of 16 bytes");
-  TORCH_CHECK(pool.size(0) == R && pool.size(1) == k + 1 && block_slot.size(1) == cap && pos.size(0) * H_kv == R,
-              "uva_copy: shapes disagree");
-  if (R == 0) return;
-  flush_tails_kernel<<<R, THREADS, 0, at::cuda::getCurrentCUDAStream()>>>(
-      static_cast<int4*>(device_pointer(host)), static_cast<int4*>(pool.data_ptr()), slot_block.data_ptr<int64_t>(),
-      block_slot.data_ptr<int64_t>(), pos.data_ptr<int64_t>(), H_kv, B, k, cap, unit_bytes / 16);
-  CHECK_CUDA(cudaGetLastError());
+int uva_flush_tails(void* host_base, int64_t host_offset, void* pool, int64_t* slot_block, int64_t* block_slot,
+                    const int64_t* pos, int64_t R, int64_t H_kv, int64_t B, int64_t k, int64_t cap, int64_t U16,
+                    void* stream) {
+  if (R == 0) return cudaSuccess;
+  void* host = nullptr;
+  cudaError_t e = device_pointer(host_base, host_offset, &host);
+  if (e != cudaSuccess) return e;
+  flush_tails_kernel<<<R, THREADS, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<int4*>(host), static_cast<int4*>(pool), slot_block, block_slot, pos, H_kv, B, k, cap, U16);
+  return cudaGetLastError();
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("set_difference", &set_difference, "slot-pool set difference (in place), fetch list out");
-  m.def("gather_units", &gather_units, "UVA gather of KV units from pinned host memory into the slot pool",
-        py::arg("host"), py::arg("pool"), py::arg("fetch"), py::arg("ctas") = 0);
-  m.def("flush_tails", &flush_tails, "full tail blocks: write back to the host store, keep in a free slot");
-}
+}  // extern "C"

@@ -9,7 +9,8 @@ if not torch.cuda.is_available():
 
 torch.set_num_threads(max(1, os.cpu_count() or 1))
 
-from generate import GraphedDecode  # noqa: E402 (after TRITON_INTERPRET)
+import fusion  # noqa: E402 (after TRITON_INTERPRET)
+from generate import GraphedDecode  # noqa: E402
 from kvcache import KVCache  # noqa: E402
 from model import Transformer  # noqa: E402
 from nosa import Config  # noqa: E402
@@ -19,9 +20,10 @@ from nosa import Config  # noqa: E402
 @pytest.fixture(autouse=True)
 def _seed_and_threads():
     torch.manual_seed(0)
-    threads = torch.get_num_threads()
+    threads, fuse = torch.get_num_threads(), fusion.FUSE
     yield
     torch.set_num_threads(threads)  # generate.cli runs on one thread on CPU; the other tests do not
+    fusion.FUSE = fuse  # generate.main decides it per run
 
 
 # k*B = 64 tokens: sequences of 300+ tokens cross many block boundaries with sparsity active

@@ -193,6 +193,27 @@ def test_cuda_kernels_match_twins():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA kernels need a GPU")
+def test_cuda_kernels_refuse_what_they_cannot_read():
+    """The library gets raw pointers: its Python side refuses an unpinned store, a wrong dtype or a
+    unit that is no multiple of 16 bytes before any launch, and a launch error becomes a RuntimeError."""
+    ext = transfer._kernels("cuda")
+    host = torch.randn(2, 4, 2, 8, 32, dtype=torch.bfloat16).pin_memory()
+    pool = torch.zeros(2, 3, 2, 8, 32, dtype=torch.bfloat16, device="cuda")
+    fetch = torch.full((2, 2), -1, device="cuda")
+    with pytest.raises(ValueError, match="pinned"):
+        ext.gather_units(torch.randn(2, 4, 2, 8, 32, dtype=torch.bfloat16), pool, fetch)
+    with pytest.raises(ValueError, match="int64"):
+        ext.gather_units(host, pool, fetch.int())
+    with pytest.raises(ValueError, match="16 bytes"):
+        ext.gather_units(torch.randn(2, 4, 3, dtype=torch.bfloat16).pin_memory(),
+                         torch.zeros(2, 3, 3, dtype=torch.bfloat16, device="cuda"), fetch)
+    need = torch.full((2, 2000), -1, device="cuda")  # more needed blocks than the kernel takes
+    with pytest.raises(RuntimeError, match="set_difference failed"):
+        ext.set_difference(need, torch.full((2, 2000), -1, device="cuda"), torch.full((2, 9), -1, device="cuda"),
+                           torch.empty(2, 2000, dtype=torch.int64, device="cuda"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA kernels need a GPU")
 @pytest.mark.parametrize("ctas", [0, 1, 3, 16, 5000])
 @pytest.mark.parametrize("unit", [(2, 8, 32), (2, 64, 160)])  # 1 KiB: 32 units a round of loads; 40 KiB: 1.25 rounds
 def test_cuda_gather_with_few_blocks(ctas, unit):
