@@ -23,21 +23,24 @@ def encode(tok, text):
 
 def task_pieces(kind, rng):
     """The texts of one task: (facts, question, answer): facts in the order they appear (the one the
-    question needs last for passkey and needle, the whole chain for chain)."""
+    question needs last for passkey and needle, the whole chain for chain), each on a line of its own
+    in the filler. The answer keeps its leading space, as the fact has it (" 83520"): the tokenizer
+    splits off a space with the word after it, so the answer's tokens are the fact's, and the model
+    can copy them."""
     if kind == "passkey":
         name, value = f"SECRET_{rng.integers(1000, 10000)}", int(rng.integers(10000, 100000))
-        return [f"{name} = {value}\n"], f"assert {name} == ", f"{value}\n"
+        return [f"\n{name} = {value}\n"], f"\nassert {name} ==", f" {value}\n"
     if kind == "needle":
         names = rng.choice(list("abcdefghijklmnopqrstuvwxyz"), size=(4, 2))
         keys = [f"KEY_{''.join(n)}_{i}" for i, n in enumerate(names)]
         values = [int(v) for v in rng.integers(10, 1000, size=4)]
         asked = int(rng.integers(0, 4))
         order = [asked] + [i for i in range(4) if i != asked]  # the asked fact first: the farthest back
-        return [f"{keys[i]} = {values[i]}\n" for i in order], f"assert {keys[asked]} == ", f"{values[asked]}\n"
+        return [f"\n{keys[i]} = {values[i]}\n" for i in order], f"\nassert {keys[asked]} ==", f" {values[asked]}\n"
     if kind == "chain":
         a, b, c = (f"{x}{rng.integers(0, 100)}" for x in rng.choice(list("uvwxyz"), size=3, replace=False))
         value = int(rng.integers(0, 100))
-        return [f"{a} = {value}\n", f"{b} = {a}\n", f"{c} = {b}\n"], f"assert {c} == ", f"{value}\n"
+        return [f"\n{a} = {value}\n", f"\n{b} = {a}\n", f"\n{c} = {b}\n"], f"\nassert {c} ==", f" {value}\n"
     raise ValueError(f"unknown task {kind!r}; choose one of {KINDS}")
 
 

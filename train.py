@@ -177,13 +177,15 @@ def evaluate(model, val, batch_size, T, device, n_batches=8):
 def main(preset="tiny", attn="nosa", out=None, data=None, data_dir=None, steps=120, batch_size=4, seq_len=1024,
          lr=3e-3, warmup=20, weight_decay=0.1, grad_clip=1.0, eval_every=40, seed=1337, device=None, resume=False,
          force=False, stop_at=None, save_bf16=False, log_every=10, evict_lr_mult=1.0, init_from=None, tasks=0.0,
-         **overrides):
+         corpus=None, **overrides):
     """Train; returns (model, last validation loss). `overrides` go to the Config (tests use tiny shapes).
     out defaults to out/{preset}-{attn} and data_dir to data/, both in the repository, whatever the
     working directory. An existing checkpoint in out is continued with resume, replaced with force,
     and otherwise left alone. init_from: start from that checkpoint's weights (its shape; any mode),
     e.g. NOSA continued from a dense model, as the paper trains; an eviction head it lacks starts
-    from its initialisation (A = 0: the first steps compute what the dense model did)."""
+    from its initialisation (A = 0: the first steps compute what the dense model did). corpus: train on the
+    token streams already prepared for that corpus id in data_dir, without its files (another machine's
+    standard library, carried as data/ID-VOCAB)."""
     for name, value, least in (("--steps", steps, 1), ("--batch-size", batch_size, 1), ("--seq-len", seq_len, 1),
                                ("--eval-every", eval_every, 1), ("--log-every", log_every, 1),
                                ("--warmup", warmup, 0), ("--stop-at", stop_at or 1, 1)):
@@ -239,7 +241,12 @@ def main(preset="tiny", attn="nosa", out=None, data=None, data_dir=None, steps=1
     # so sum in another order: without it, a run resumed on a busy machine is not bit for bit the run it continues
     torch.set_num_threads(torch.get_num_threads())
 
-    corpus = corpus_id(data)  # the cache follows the files: any change of them makes a new one
+    if corpus is None:
+        corpus = corpus_id(data)  # the cache follows the files: any change of them makes a new one
+    elif data or not os.path.exists(os.path.join(data_dir, f"{corpus}-{cfg.vocab_size}", "train.bin")):
+        raise FileNotFoundError(f"--corpus {corpus}: no prepared token streams in {data_dir}/{corpus}-{cfg.vocab_size}"
+                                f" (prepare them where the files are, with train.py, and copy that directory), and "
+                                f"no --data beside it")
     if master and not data and corpus != STDLIB_CORPUS:
         print(f"note: this interpreter's standard library (Python {sysconfig.get_python_version()}, corpus {corpus}) "
               f"is not the corpus of the embedded model and of BENCHMARKS.md (CPython 3.11.7's, {STDLIB_CORPUS}): "
@@ -399,13 +406,16 @@ def cli(argv=None):
                    help="learning rate of the eviction head (A, W_δ) as a multiple of --lr")
     p.add_argument("--tasks", type=float, default=0.0, metavar="FRACTION",
                    help="replace this fraction of the training windows by long-range recall tasks (tasks.py)")
+    p.add_argument("--corpus", metavar="ID", help="train on the token streams prepared for this corpus id in "
+                                                  f"--data-dir (e.g. {STDLIB_CORPUS}, CPython 3.11.7's library, on "
+                                                  "a machine with another Python)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a config field of the preset, e.g. --set k=32 --set n_layer=6")
     a = p.parse_args(argv)
     return common.run_cli(lambda: main(
         a.preset, a.attn, a.out, a.data, a.data_dir, a.steps, a.batch_size, a.seq_len, a.lr, a.warmup,
         eval_every=a.eval_every, seed=a.seed, device=a.device, resume=a.resume, force=a.force, stop_at=a.stop_at,
-        save_bf16=a.save_bf16, evict_lr_mult=a.evict_lr_mult, init_from=a.init_from, tasks=a.tasks,
+        save_bf16=a.save_bf16, evict_lr_mult=a.evict_lr_mult, init_from=a.init_from, tasks=a.tasks, corpus=a.corpus,
         **parse_overrides(a.set)))
 
 

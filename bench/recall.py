@@ -22,6 +22,20 @@ def cases(tok, filler, distances, n, length, seed=0):
             for d in distances}
 
 
+def held_out_tokens(ckpt, tok):
+    """The filler of the tasks: the validation tokens of the corpus the checkpoint was trained on, from
+    its prepared cache (data/CORPUS-VOCAB: the same on any machine it is copied to), else the held-out
+    files of this machine's standard library."""
+    import json
+    import os
+    import train
+    state = json.load(open(os.path.join(ckpt, "train_state.json")))
+    path = os.path.join(checkpoint.ROOT, "data", f"{state.get('corpus')}-{tok.get_vocab_size()}", "val.bin")
+    if os.path.exists(path):
+        return np.fromfile(path, dtype=np.uint16).astype(np.int64)
+    return np.array([i for name, text in train.documents() if train.is_val(name) for i in tok.encode(text).ids])
+
+
 @torch.no_grad()
 def where_the_fact_is(model, ids, t, b_fact):
     """For each layer and KV head, how the fact's block b_fact stands in Γ(t), the selection of the query
@@ -63,8 +77,9 @@ def bench_recall(ckpts, systems=tuple(SYSTEMS), distances=(128, 256, 512, 1024, 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     paths = {SYSTEMS[s][0]: trained_path(ckpts, SYSTEMS[s][0]) for s in systems}  # all there before any work
-    _, tok = checkpoint.load(next(iter(paths.values())))
-    val = np.array([i for name, text in train.documents() if train.is_val(name) for i in tok.encode(text).ids])
+    first = next(iter(paths.values()))
+    _, tok = checkpoint.load(first)
+    val = held_out_tokens(first, tok)
     rows = []
     for name in systems:
         ck, attn = SYSTEMS[name]

@@ -321,6 +321,18 @@ def test_checks_before_work_and_one_line_errors(corpus, tmp_path, monkeypatch, c
         checkpoint.load(os.path.join(ROOT, "README.md"))
 
 
+def test_training_on_a_prepared_corpus_without_its_files(corpus, tmp_path):
+    """--corpus ID trains on the token streams prepared for that corpus (another machine's standard
+    library, copied as data/ID-VOCAB) without reading any files; an id without them is refused."""
+    kw = dict(data_dir=str(tmp_path / "data"), steps=2, eval_every=2, **run, **small)
+    train.main(out=str(tmp_path / "a"), data=corpus, **kw)
+    cid = train.corpus_id(corpus)
+    _, val = train.main(out=str(tmp_path / "b"), corpus=cid, **kw)
+    assert json.load(open(os.path.join(tmp_path, "b", "train_state.json")))["corpus"] == cid
+    with pytest.raises(FileNotFoundError, match="--corpus 0123456789ab: no prepared token streams"):
+        train.main(out=str(tmp_path / "c"), corpus="0123456789ab", **kw)
+
+
 def test_recall_tasks(corpus, tmp_path):
     """tasks.py: each kind puts its first fact exactly `distance` tokens before the question's end and
     ends with the answer, the same for the same seed; training mixes them in (--tasks) and resumes
@@ -337,6 +349,8 @@ def test_recall_tasks(corpus, tmp_path):
             assert len(ids) == 600 and at + n == 600 and at - fact == distance and np.array_equal(ids, again)
             assert tok.decode(ids[at:].tolist()) == answer and tok.decode(ids[fact:].tolist()).startswith(facts[0])
             assert tok.decode(ids[:at].tolist()).endswith(question)
+            answer_ids = tok.encode(answer).ids  # the answer is token for token a copy from the fact
+            assert tok.encode(facts[0]).ids[-len(answer_ids):] == answer_ids, (kind, facts[0], answer)
     kw = dict(data=corpus, data_dir=str(tmp_path / "data"), steps=4, eval_every=2, tasks=0.5, **run, **small)
     ref, _ = train.main(out=str(tmp_path / "a"), **kw)
     train.main(out=str(tmp_path / "b"), stop_at=2, **kw)
