@@ -26,8 +26,11 @@ Locality: γ(t) = |Γ(t) ∩ Γ(t-1)| / |Γ(t)| >= k_e / k at every step, so at 
 (sequence, layer, KV head) are new at a step besides the query's own (docs/METHOD.md §5 proves it).
 The definition (select_blocks from E) ranks all candidates by E at every position; both paths
 select from a short list of the best candidates by E instead: the parallel forward makes it from
-scratch once per query block (core_lists), decoding keeps it by the eviction policy
-(eviction.join_core_list); the tests check that both select what the definition selects.
+scratch once per query block (block_lists), decoding keeps it by the eviction policy
+(eviction.join_core_list); the tests check that both select what the definition selects. The
+parallel forward writes its selection as tiles of neighbouring queries (select_tiles, read by the
+attention kernels: attention.Tiles), a decode step as a block mask (select); one rule, _gamma,
+makes every row of both in the kernels.
 
 Attention modes (docs/METHOD.md §7), all from the same code:
   full      all causal tokens, no bias
