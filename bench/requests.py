@@ -4,7 +4,7 @@ prefilled one prompt at a time, then decodes; the next batch waits). Reported pe
 first token, prefill and decode speed, the whole run's time and its output tokens/s.
 
 What is timed, on random weights: one P-token prefill through model.prefill at the chunk the plan
-chooses, with the decode cache of the whole batch allocated beside it (its peak memory beyond the
+chooses (after an untimed one, which compiles the kernels), with the decode cache of the whole batch allocated beside it (its peak memory beyond the
 weights and the cache is reported), and graphed decode steps of the whole batch at context P (the
 other rows filled with random K, V and c). The N requests are then composed from those two times:
 every prefill of a shape costs the same, and a step at context P is no slower than the steps after
@@ -71,7 +71,9 @@ def bench_requests(shape="8b", prompt_len=131072, new_tokens=(1024, 8192), reque
         cache = (offload.OffloadCache(cfg, Bz, dev, dtype, max_len=max_len, host_budget=host) if use_offload
                  else KVCache(cfg, Bz, dev, dtype, max_len))
         idx = torch.randint(0, cfg.vocab_size, (1, prompt_len), device=dev)
-        model.prefill(idx[:, :2 * cfg.k * cfg.B], cache, 0, chunk, stream_on_host=on_host)  # compiles
+        # a whole prefill first: it compiles every kernel the timed one launches (the selection kernel once per
+        # power of two of the block count, which grows with the prompt), so the timed one is the steady state
+        model.prefill(idx, cache, 0, chunk, stream_on_host=on_host)
         sync()
         base = torch.cuda.memory_allocated() if cuda else 0
         if cuda:
