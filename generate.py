@@ -151,7 +151,7 @@ class GraphedDecode:
 
     def __call__(self, tok):
         cache, pos = self.cache, int(self.cache.len_cpu.max())
-        if not (tok.is_cuda and self.model.cfg.l_c <= pos + 1 and pos < cache.capacity()):
+        if not (tok.is_cuda and cache.graphable(pos)):
             return self.model.decode(tok, cache)
         if self.graph is None:
             if not self.warm:  # one eager step first: compiles and initialises what the graph will launch

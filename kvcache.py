@@ -48,6 +48,14 @@ class Cache:
     def finish(self, done):
         """done (Bz,): sequences that ended; a cache may stop spending on them."""
 
+    def graphable(self, pos):
+        """Whether decode steps from largest position pos on launch the same kernels on the same shapes,
+        so one recorded step can be replayed (generate.GraphedDecode): the buffers hold the position
+        (capacity), and every sequence's pooled caches are updated (SubBlockCache.append takes another
+        path while no sequence has l_c tokens). A replay runs none of the step's Python: the caller
+        advances the host's lengths (advance_host)."""
+        return self.cfg.l_c <= pos + 1 and pos < self.capacity()
+
 
 def grow(t, n, dim):
     """Return t with at least n entries along `dim`, doubling: no buffer is sized once up front."""

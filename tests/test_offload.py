@@ -380,3 +380,17 @@ def test_generate_offload_with_no_cuda_toolkit(tmp_path):
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "did not build" in r.stderr and "hit rate" in r.stdout
+
+
+def test_a_step_is_graphed_from_the_first_sub_block_to_the_capacity():
+    """cache.graphable (generate.GraphedDecode records a step once, then replays it): not before some
+    sequence has l_c tokens (the pooled caches' update takes another path), not at or past the
+    preallocated length, never for a cache that grows; the same rule for the offloaded cache."""
+    from nosa import Config
+    from tests.conftest import small
+    cfg = Config.from_preset("tiny", **small)
+    static, growing = KVCache(cfg, 2, "cpu", torch.float32, 100), KVCache(cfg, 2, "cpu", torch.float32)
+    off = OffloadCache(cfg, 2, "cpu", torch.float32, max_len=100)
+    for cache in (static, off):
+        assert [cache.graphable(p) for p in (cfg.l_c - 2, cfg.l_c - 1, 99, 100)] == [False, True, True, False]
+    assert not any(growing.graphable(p) for p in (cfg.l_c, 50, 1000))
