@@ -105,6 +105,8 @@ class SubBlockCache:
     """Per layer: the pooled caches K̃ (Bz, H_kv, M, d) and c̃ (Bz, H_kv, M), kept up to date
     one token at a time from a ring of the last l_c keys and scores. Both caches use it."""
 
+    BUFFERS = ("ring_k", "ring_c", "K_sub", "c_sub", "core_ids", "core_E")  # one tensor per layer, a row per sequence
+
     def __init__(self, cfg, Bz, device, dtype, max_len=0):
         self.cfg = cfg
         L, H, d, l_c = cfg.n_layer, cfg.H_kv, cfg.head_dim, cfg.l_c
@@ -128,7 +130,7 @@ class SubBlockCache:
     def rows(self, a, b):
         """The caches of sequences a..b-1 (views; see offload.OffloadCache.split)."""
         part = copy.copy(self)
-        for name in ("ring_k", "ring_c", "K_sub", "c_sub", "core_ids", "core_E"):
+        for name in self.BUFFERS:
             if getattr(self, name) is not None:
                 setattr(part, name, [t[a:b] for t in getattr(self, name)])
         return part

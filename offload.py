@@ -292,6 +292,11 @@ class OffloadCache(Cache):
     over all its blocks at every step (static shapes for generate.GraphedDecode): size it to the
     job, as generate.py does."""
 
+    # the buffers, one tensor per layer each: those with a row per (sequence, KV head), and those with a
+    # row per sequence (split slices both; the memory model, cache_bytes, counts them; a test checks both)
+    ROWS = ("host", "pool", "tail", "slot_block", "block_slot", "fetch", "fresh")
+    SEQS = ("c",)
+
     def __init__(self, cfg, Bz, device, dtype, max_len=None, gpu_budget=None, host_budget=None):
         if cfg.attn == "full":
             raise ValueError("--offload needs a sparse attention mode (nosa, infllmv2 or dma); full attention "
@@ -388,9 +393,10 @@ class OffloadCache(Cache):
             a, b = int(seqs[0]), int(seqs[-1]) + 1
             part = copy.copy(self)
             part.Bz, part.len, part.len_cpu, part.active = b - a, self.len[a:b], self.len_cpu[a:b], self.active[a:b]
-            for name in ("host", "pool", "tail", "slot_block", "block_slot", "fetch", "fresh"):
+            for name in self.ROWS:
                 setattr(part, name, [t[a * H:b * H] for t in getattr(self, name)])
-            part.c = [t[a:b] for t in self.c]
+            for name in self.SEQS:
+                setattr(part, name, [t[a:b] for t in getattr(self, name)])
             part.sub, part.stats, part.part, part.pcie = self.sub.rows(a, b), self.stats.rows(a * H, b * H), True, pcie
             parts.append(part)
         return parts

@@ -394,3 +394,24 @@ def test_a_step_is_graphed_from_the_first_sub_block_to_the_capacity():
     for cache in (static, off):
         assert [cache.graphable(p) for p in (cfg.l_c - 2, cfg.l_c - 1, 99, 100)] == [False, True, True, False]
     assert not any(growing.graphable(p) for p in (cfg.l_c, 50, 1000))
+
+
+@pytest.mark.parametrize("attn", ["nosa", "infllmv2"])
+def test_every_cache_buffer_is_listed_and_modelled(attn):
+    """Every per-layer buffer of the offloaded cache is in its lists (OffloadCache.ROWS and SEQS,
+    SubBlockCache.BUFFERS: what split and rows slice), and the memory model counts them: the host
+    store exactly, the GPU's within the small tables it leaves out."""
+    from kvcache import SubBlockCache
+    from nosa import Config
+    from tests.conftest import small
+    cfg = Config.from_preset("tiny", **{**small, "attn": attn})
+    cache = OffloadCache(cfg, 3, "cpu", torch.float32, max_len=300)
+    per_layer = lambda obj: {n for n, v in vars(obj).items() if isinstance(v, list) and v and torch.is_tensor(v[0])}
+    assert per_layer(cache) == set(OffloadCache.ROWS + OffloadCache.SEQS)
+    assert per_layer(cache.sub) == {n for n in SubBlockCache.BUFFERS if getattr(cache.sub, n) is not None}
+    tensors = [t for n in OffloadCache.ROWS + OffloadCache.SEQS if n != "host" for t in getattr(cache, n)]
+    tensors += [t for n in per_layer(cache.sub) for t in getattr(cache.sub, n)]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}  # tail: a view
+    gpu, host = offload.cache_bytes(cfg, 3, 300, torch.float32)
+    assert sum(t.numel() * t.element_size() for t in cache.host) == host
+    assert 0.95 * gpu <= sum(storages.values()) <= 1.1 * gpu, (sum(storages.values()), gpu)
