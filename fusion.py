@@ -10,7 +10,8 @@ import warnings
 
 import torch
 
-FUSE = os.environ.get("NOSA_FUSE", "1") != "0"  # NOSA_FUSE=0: run fused functions op by op, as their twins
+# NOSA_FUSE=0: run fused functions op by op, as their twins; unset, generate.py compiles for long decodes only
+FUSE = os.environ.get("NOSA_FUSE", "1") != "0"
 
 
 def fused(fn):
