@@ -71,7 +71,6 @@ def bench_prefill(H_q=32, H_kv=2, d=128, lengths=(16384, 32768, 65536, 131072), 
                            sdpa_over_nosa_fwd_bwd=round(t_sdpa_fb / t_fb, 2))
             rows.append(row)
             print(row, flush=True)
-            del tiles
             torch.cuda.empty_cache()
     return rows
 

@@ -70,7 +70,6 @@ def where_the_fact_is(model, ids, t, b_fact):
 def bench_recall(ckpts, systems=tuple(SYSTEMS), distances=(128, 256, 512, 1024, 2048, 4096), n=200, seed=0,
                  where_cases=20):
     """Accuracy per distance bin and system; the fact's standing for `where_cases` cases per bin."""
-    import train
     from generate import generate
     from kvcache import KVCache
     from offload import OffloadCache
