@@ -13,13 +13,12 @@ import shutil
 from dataclasses import fields
 
 import torch
-from safetensors import SafetensorError
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from config import Config
 from model import Transformer
-from nosa import Config
 
 ROOT = os.path.dirname(os.path.abspath(__file__))  # defaults resolve here, whatever the working directory
 EOT = "<|endoftext|>"  # the document separator of train.py's token streams: this format's end of sequence

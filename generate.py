@@ -20,12 +20,12 @@ import torch
 
 import checkpoint
 import common
+import config
 import fusion
-import nosa
 import offload as nosi  # NOSI, the offloaded cache (`offload` is a flag here)
+from config import Config
 from kvcache import KVCache
 from model import Transformer
-from nosa import Config
 
 # Long enough (about 400 tokens) that sparse selection and offloading are already at work in the prompt.
 DEFAULT_PROMPT = '''"""A small key-value store that keeps recent entries in memory and the rest on disk."""
@@ -199,7 +199,7 @@ def main(checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, prompt=DEFAULT_PROMPT, ma
     the decode step marks its selection, transfer and attention as ranges. gpu_budget, host_budget
     (GiB): what the weights, the cache and the activations may take (offload.plan_memory), checked
     before anything is allocated; the GPU's default is its free memory. random: no checkpoint, a
-    randomly initialised model of that preset (nosa.PRESETS). prompt_len: cycle each prompt's tokens
+    randomly initialised model of that preset (config.PRESETS). prompt_len: cycle each prompt's tokens
     to that length. chunk: the prefill's chunk (default: the largest the budget allows)."""
     for name, value, least in (("--batch", batch, 1), ("--max-new-tokens", max_new_tokens, 1), ("--top-k", top_k, 0),
                                ("--temperature", temperature, 0), ("--prompt-len", prompt_len or 1, 1),
@@ -218,8 +218,8 @@ def main(checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, prompt=DEFAULT_PROMPT, ma
     overrides = {"attn": attn} if attn else {}
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if random:
-        if random not in nosa.PRESETS:
-            raise ValueError(f"--random {random}: choose a preset of {sorted(nosa.PRESETS)}")
+        if random not in config.PRESETS:
+            raise ValueError(f"--random {random}: choose a preset of {sorted(config.PRESETS)}")
         tokenizer = checkpoint.byte_tokenizer()
         cfg = Config.from_preset(random, **overrides)
         model = random_model(cfg, device, dtype)
@@ -405,14 +405,14 @@ def cli(argv=None):
     p.add_argument("--quiet", action="store_true", help="print only the statistics, not the text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
     p.add_argument("--profile", metavar="TRACE.json", help="write a profiler trace of the generation")
-    p.add_argument("--attn", choices=nosa.MODES,
+    p.add_argument("--attn", choices=config.MODES,
                    help="override the checkpoint's attention mode (e.g. infllmv2: training-free sparse decoding)")
     p.add_argument("--gpu-budget", type=float, metavar="GiB",
                    help="GPU memory for weights, cache and activations (default: what is free)")
     p.add_argument("--host-budget", type=float, metavar="GiB",
                    help="host memory for the offloaded KV store (default: what the OS reports available)")
     p.add_argument("--random", metavar="PRESET", help="no checkpoint: a randomly initialised model of this preset "
-                                                      f"({', '.join(sorted(nosa.PRESETS))}), to try budgets and speed")
+                                                      f"({', '.join(sorted(config.PRESETS))}), to try budgets and speed")
     p.add_argument("--prompt-len", type=int, metavar="N", help="repeat each prompt's tokens to N tokens")
     p.add_argument("--chunk", type=int, help="prefill chunk in tokens (default: the largest the budget allows)")
     a = p.parse_args(argv)

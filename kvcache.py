@@ -202,7 +202,7 @@ def append_subblocks_torch(ring_k, ring_c, K_sub, c_sub, core_ids, core_E, k, c,
 def join_window_leaver(core_ids, core_E, c_sub, pos, cfg):
     """The eviction policy at a decode step, in place: at a block's first token (pos (Bz,)) the block
     n_win + 1 back leaves the window and competes with each row's list (eviction.join_core_list). Its
-    E is final: the sub-blocks that overlap it are complete (the config check in nosa.Config)."""
+    E is final: the sub-blocks that overlap it are complete (the config check in config.Config)."""
     b_new = pos // cfg.B - cfg.n_win - 1
     b_new = torch.where((pos % cfg.B == 0) & (b_new >= cfg.n_sink), b_new, -1)[:, None].expand(-1, cfg.H_kv)
     ids, E = eviction.join_core_list(core_ids, core_E, b_new, eviction.block_score(c_sub, b_new.clamp(min=0), cfg))

@@ -29,10 +29,10 @@ import torch.nn.functional as F
 
 import checkpoint
 import common
-import nosa
+import config
 import tasks as recall
+from config import Config
 from model import Transformer
-from nosa import Config
 
 EOT = checkpoint.EOT
 # CPython 3.11.7's standard library (9.0M training tokens): the corpus of the embedded model and of BENCHMARKS.md
@@ -371,7 +371,7 @@ def parse_overrides(items):
         if key == "attn":
             raise ValueError("--set attn=...: the attention mode has its own flag, --attn")
         if not hasattr(defaults, key) or key.startswith("_"):
-            raise ValueError(f"--set {item}: unknown config field {key!r}; see nosa.Config")
+            raise ValueError(f"--set {item}: unknown config field {key!r}; see config.Config")
         typ = type(getattr(defaults, key))
         try:
             out[key] = val.lower() in ("1", "true", "yes") if typ is bool else typ(val)
@@ -382,8 +382,8 @@ def parse_overrides(items):
 
 def cli(argv=None):
     p = argparse.ArgumentParser(description="Train a NOSA model on an offline corpus.")
-    p.add_argument("--preset", default="tiny", help="config preset (nosa.PRESETS)")
-    p.add_argument("--attn", default="nosa", choices=nosa.MODES, help="attention mode")
+    p.add_argument("--preset", default="tiny", help="config preset (config.PRESETS)")
+    p.add_argument("--attn", default="nosa", choices=config.MODES, help="attention mode")
     p.add_argument("--out", help="checkpoint directory (default: out/PRESET-ATTN in the repository)")
     p.add_argument("--data", help="a text file or directory (default: the Python standard library)")
     p.add_argument("--data-dir", help="where the tokenizer and token streams are cached (default: data/ in the "

@@ -10,7 +10,7 @@ import eviction
 import nosa
 import pooling
 from bench import graph_time, hbm_bandwidth
-from nosa import Config
+from config import Config
 
 
 def bench_prefill(H_q=32, H_kv=2, d=128, lengths=(16384, 32768, 65536, 131072), forward_only=(262144,),

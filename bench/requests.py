@@ -17,7 +17,7 @@ import torch
 
 import offload
 from bench.throughput import SHAPES, SYSTEMS, fill_random
-from nosa import Config
+from config import Config
 
 
 def largest_plan(cfg, weights, requests, prompt_len, max_len, dtype, budget, host, use_offload):

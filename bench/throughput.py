@@ -8,10 +8,9 @@ import offload
 import transfer
 from bench import hbm_bandwidth, pinned_bandwidth
 from bench.quality import trained_path
-from nosa import Config
+from config import Config
 
-
-SHAPES = {"tiny": ("tiny", {}), "1b": ("paper", {}), "8b": ("paper-8b", {})}  # random-weight models: nosa.PRESETS
+SHAPES = {"tiny": ("tiny", {}), "1b": ("paper", {}), "8b": ("paper-8b", {})}  # random-weight models: config.PRESETS
 PHASES = ("weights", "selection", "transfer", "attention")
 
 
@@ -98,6 +97,7 @@ def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, w
     graph), then eager steps under the profiler, split by phase (weights, selection, transfer,
     attention: the profiler's ranges) and the gathers' time and bytes."""
     from dataclasses import replace
+
     from generate import GraphedDecode
     from kvcache import KVCache
     from model import Transformer

@@ -13,7 +13,7 @@ import fusion  # noqa: E402 (after TRITON_INTERPRET)
 from generate import GraphedDecode  # noqa: E402
 from kvcache import KVCache  # noqa: E402
 from model import Transformer  # noqa: E402
-from nosa import Config  # noqa: E402
+from config import Config  # noqa: E402
 
 
 

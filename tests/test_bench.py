@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from bench.throughput import PHASES, bench_throughput
-from nosa import Config
+from config import Config
 
 
 def test_throughput_bench_small():
@@ -51,6 +51,7 @@ def test_quality_bench_on_the_embedded_model(tmp_path):
     """python -m bench quality, small: the embedded model's loss is a trained model's, its generation
     through the offload engine keeps the theorem's hit rate, and bad arguments fail before any work."""
     import shutil
+
     import checkpoint
     from bench.quality import bench_quality
     shutil.copytree(checkpoint.DEFAULT_CHECKPOINT, tmp_path / "tiny-nosa")
@@ -98,6 +99,7 @@ def test_recall_bench_on_the_embedded_model(tmp_path):
     """python -m bench recall, small: accuracy per distance, the offload engine's hit rate within the
     theorem's bound, and where the fact's block stood (shares that add up to 1)."""
     import shutil
+
     import checkpoint
     from bench.recall import bench_recall
     shutil.copytree(checkpoint.DEFAULT_CHECKPOINT, tmp_path / "tiny-nosa")

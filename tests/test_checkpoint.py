@@ -131,8 +131,9 @@ def test_scaled_rope_against_its_formula(scaling):
     """Each frequency and the rotation of random q at random positions against the formulas, written
     out one frequency at a time."""
     import math
+
+    from config import Config
     from model import apply_rope, rope_frequencies, rope_tables
-    from nosa import Config
     cfg = Config.from_preset("tiny", head_dim=64, rope_theta=5e5, rope_scaling=scaling)
     got = rope_frequencies(cfg, "cpu")
     for i, f in enumerate(got.tolist()):

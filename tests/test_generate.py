@@ -112,7 +112,7 @@ def test_memory_plan_picks_the_chunk_and_says_what_fits():
     """The memory model (offload.plan_memory) at the 8b shape, 128K prompts, 24 GiB: a batch that fits
     gets the largest chunk that fits, and one sequence more is refused with the batch that does."""
     import offload
-    from nosa import Config
+    from config import Config
     cfg = Config.from_preset("paper-8b")
     weights, P, budget = 15.66e9, 131072, 24 * 2**30
     with pytest.raises(MemoryError, match=r"at most \d+ sequences fit") as e:
@@ -153,7 +153,7 @@ def test_prefill_and_decode_stay_within_the_memory_model():
     """The peak of a chunked prefill beyond the weights and the cache is within offload.prefill_bytes,
     and not far below it; a graphed decode step's is within offload.decode_bytes."""
     import offload
-    from nosa import Config
+    from config import Config
     cfg = Config.from_preset("paper", n_layer=2, vocab_size=32000)
     model = generate.random_model(cfg, "cuda", torch.bfloat16).fuse_projections()
     P, C = 16384, 2048

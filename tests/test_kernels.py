@@ -133,8 +133,8 @@ def test_mask_to_indices():
 @pytest.mark.parametrize("G, d, T, preset", [(1, 64, 50, "tiny"), (4, 128, 83, "tiny"), (16, 64, 40, "tiny"),
                                              (2, 64, 300, "paper")])
 def test_query_aware_score_kernel_matches_twin(G, d, T, preset):
-    from nosa import Config
     import pooling
+    from config import Config
     cfg = Config.from_preset(preset)
     Bz, H_kv = 2, 2
     q = torch.randn(Bz, H_kv * G, T, d, device=DEV)
@@ -156,8 +156,8 @@ def test_decode_score_kernel_matches_twin(G, d, preset, M_len, over):
     """One query per sequence (decode), ragged positions: the key-parallel kernels against the twin,
     over more blocks than the positions reach (static shapes), with chunks of compressed keys that
     do not divide their number, and sub-blocks that reach 0, 1 or 2 strides into the next block."""
-    from nosa import Config
     import pooling
+    from config import Config
     cfg = Config.from_preset(preset, **over)
     Bz, H_kv = 3, 2
     q = torch.randn(Bz, H_kv * G, 1, d, device=DEV)
@@ -178,8 +178,8 @@ def test_append_kernel_matches_twin(attn, dtype):
     from the same state: the ring, K̃ and c̃ as sub-blocks complete, and the eviction list as blocks
     leave the window, with scores on a coarse grid so that a newcomer often ties with members."""
     import eviction
+    from config import Config
     from kvcache import SubBlockCache, append_subblocks_torch, append_subblocks_triton
-    from nosa import Config
     cfg = Config.from_preset("tiny", attn=attn, max_seq_len=512)
     Bz, H, d = 3, cfg.H_kv, cfg.head_dim
     grid = lambda *shape: torch.randint(-2, 3, shape, device=DEV).float()  # ties in c̃ and E
@@ -218,11 +218,11 @@ def test_model_through_the_kernels(monkeypatch):
     forward matches the twins, and decoding through the scoring, selection, cache update and decode
     kernels (offloaded: the slot pool; resident) matches the parallel forward through the training kernels."""
     import kvcache
-    from kvcache import KVCache
     import nosa
     import offload
-    from offload import OffloadCache
     import pooling
+    from kvcache import KVCache
+    from offload import OffloadCache
     from tests.conftest import decode_logits, make_model
     kw = dict(n_layer=1, dim=64, H_q=4, H_kv=2, head_dim=16, hidden_dim=96, vocab_size=97, B=16, l_c=8, s_c=4,
               n_sink=1, n_win=1, k=4, k_q=1)  # k·B = 64 tokens
@@ -287,9 +287,9 @@ def test_chunked_prefill_through_the_kernels(attn, monkeypatch):
     """A prefill in chunks of 48 (not a multiple of B = 16) through the kernels (compiled on a GPU in
     bf16, with the residual stream in pinned host memory and without; interpreted on CPU in fp32):
     the last position's logits are the parallel forward's, and the cache it leaves decodes alike."""
-    from kvcache import KVCache
     import nosa
     import pooling
+    from kvcache import KVCache
     from tests.conftest import make_model
     dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
     kw = dict(n_layer=2, dim=64, H_q=4, H_kv=2, head_dim=16, hidden_dim=96, vocab_size=97, B=16, l_c=8, s_c=4,

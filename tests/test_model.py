@@ -1,17 +1,20 @@
 """The model: incremental decoding equals the parallel forward, and gradients are right."""
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import attention
+import config
 import eviction
 import nosa
+from config import Config
 from generate import generate, sample
-from nosa import Config
 from kvcache import KVCache
 from tests.conftest import decode_logits, make_model, small
 
-@pytest.mark.parametrize("attn", nosa.MODES)
+
+@pytest.mark.parametrize("attn", config.MODES)
 def test_decode_equals_parallel_fp64(attn):
     model = make_model(attn, torch.float64)
     T, prompt_lens = 330, [3, 50]
@@ -160,7 +163,7 @@ def test_bad_generation_requests_raise():
 
 
 @settings(max_examples=12, deadline=None)
-@given(attn=st.sampled_from(nosa.MODES), chunk=st.integers(1, 90), lens=st.lists(st.integers(1, 260), min_size=1,
+@given(attn=st.sampled_from(config.MODES), chunk=st.integers(1, 90), lens=st.lists(st.integers(1, 260), min_size=1,
                                                                               max_size=3))
 def test_chunked_prefill_equals_parallel_fp64(attn, chunk, lens):
     """A prompt read `chunk` tokens at a time (chunks not aligned with blocks or sub-blocks), each

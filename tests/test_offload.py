@@ -2,7 +2,8 @@
 bookkeeping, transfers equal to the set differences, clear errors for budgets that do not fit."""
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import offload
 import transfer
@@ -372,7 +373,9 @@ def test_offload_without_the_cuda_extension_on_a_gpu(graphed, monkeypatch):
 def test_generate_offload_with_no_cuda_toolkit(tmp_path):
     """CUDA_HOME pointing nowhere and an empty extension cache: the build fails with one warning and
     generate.py --offload still runs, graphed, on the Triton kernels."""
-    import subprocess, sys, os
+    import os
+    import subprocess
+    import sys
     env = {**os.environ, "CUDA_HOME": str(tmp_path / "no-cuda"), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"),
            "PATH": "/usr/bin:/bin"}
     r = subprocess.run([sys.executable, "generate.py", "--offload", "--max-new-tokens", "40", "--quiet"],
@@ -386,7 +389,7 @@ def test_a_step_is_graphed_from_the_first_sub_block_to_the_capacity():
     """cache.graphable (generate.GraphedDecode records a step once, then replays it): not before some
     sequence has l_c tokens (the pooled caches' update takes another path), not at or past the
     preallocated length, never for a cache that grows; the same rule for the offloaded cache."""
-    from nosa import Config
+    from config import Config
     from tests.conftest import small
     cfg = Config.from_preset("tiny", **small)
     static, growing = KVCache(cfg, 2, "cpu", torch.float32, 100), KVCache(cfg, 2, "cpu", torch.float32)
@@ -401,8 +404,8 @@ def test_every_cache_buffer_is_listed_and_modelled(attn):
     """Every per-layer buffer of the offloaded cache is in its lists (OffloadCache.ROWS and SEQS,
     SubBlockCache.BUFFERS: what split and rows slice), and the memory model counts them: the host
     store exactly, the GPU's within the small tables it leaves out."""
+    from config import Config
     from kvcache import SubBlockCache
-    from nosa import Config
     from tests.conftest import small
     cfg = Config.from_preset("tiny", **{**small, "attn": attn})
     cache = OffloadCache(cfg, 3, "cpu", torch.float32, max_len=300)

@@ -4,7 +4,7 @@ import math
 import torch
 
 import pooling
-from nosa import Config
+from config import Config
 
 tiny = Config.from_preset("tiny")  # B=16, l_c=8, s_c=4
 paper = Config.from_preset("paper")  # B=64, l_c=32, s_c=16

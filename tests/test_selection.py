@@ -1,14 +1,15 @@
 """Dual selection and the locality theorem (docs/METHOD.md §3, §5), under adversarial scores."""
 import pytest
 import torch
-from hypothesis import assume, given, settings, strategies as st
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 import attention
 import eviction
 import nosa
 import pooling
+from config import Config
 from kvcache import SubBlockCache
-from nosa import Config
 
 paper = Config.from_preset("paper")
 
