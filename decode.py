@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 import attention
-import fusion
+import fast
 from common import fp32, gp, n_sm
 
 
@@ -182,7 +182,7 @@ def sparse_decode_triton(q, k, v, bias, block_mask, pos, B, k_sel, n_split=None)
     return block_decode(q, k, v, ids, bias, pos, B, k.stride(1), B * D, 0, n_split)
 
 
-@fusion.fused  # one kernel on a GPU instead of seven
+@fast.fused  # one kernel on a GPU instead of seven
 def merge_splits(o, m, l, G, dtype):
     """Partial results of the splits (R, n_split, GP, D), their running max and sum (R, n_split, GP)
     -> (R, G, D) in dtype: each split's part weighted by exp(its max - the overall max) (log-sum-exp)."""

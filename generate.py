@@ -21,7 +21,7 @@ import torch
 import checkpoint
 import common
 import config
-import fusion
+import fast
 import offload as nosi  # NOSI, the offloaded cache (`offload` is a flag here)
 from config import Config
 from kvcache import KVCache
@@ -114,8 +114,7 @@ def generate(model, prompts, max_new_tokens, temperature=0.0, top_k=None, cache=
     out, done = [tok.clone()], torch.isin(tok, eos)  # (Bz,) ended
     on_token = on_token or (lambda tok: None)
     on_token(tok)
-    # offload at a batch of 16 or more: two micro-batches, one's gathers under the other's compute
-    decode = GraphedDecode(model, cache, 2 if hasattr(cache, "split") and cache.Bz >= 16 else 1)
+    decode = fast.GraphedDecode(model, cache)  # model.decode as a CUDA graph, in micro-batches where it helps
     for step in range(max_new_tokens - 1):
         if eos.numel() and step % 8 == 0 and bool(done.all()):  # a host sync, so only every few steps
             break
@@ -127,62 +126,6 @@ def generate(model, prompts, max_new_tokens, temperature=0.0, top_k=None, cache=
     rows = torch.stack(out, 1).tolist()
     eos = set(eos_ids)
     return [r[:next((i + 1 for i, t in enumerate(r) if t in eos), len(r))] for r in rows]
-
-
-class GraphedDecode:
-    """model.decode, captured once as a CUDA graph and replayed every step: the thousands of
-    small launches of a step (per layer: projections, scoring, selection, set difference, gather,
-    attention) become one, so a step costs what its kernels cost. This is correct because nothing
-    in a step asks the host: positions, lengths, tables and transfers live on the device, and shapes
-    do not change while every position is below cache.capacity(). Elsewhere (CPU, dense attention,
-    a short context, past the capacity) it runs the eager step, which computes the same logits."""
-
-    def __init__(self, model, cache, micro_batches=1):
-        self.model, self.cache = model, cache
-        self.graph, self.warm = None, False
-        # micro-batches (offload.OffloadCache.split): the batch in parts decoded on their own CUDA streams
-        # inside the one graph, so that one part's gathers (PCIe) overlap the other's compute
-        self.parts = cache.split(micro_batches) if micro_batches > 1 and cache.Bz >= micro_batches else None
-
-    def step(self, tok):  # the eager step: the whole batch, or its parts one after the other
-        if not self.parts:
-            return self.model.decode(tok, self.cache)
-        return torch.cat([self.model.decode(t, p) for t, p in zip(tok.tensor_split(len(self.parts)), self.parts)])
-
-    def __call__(self, tok):
-        cache, pos = self.cache, int(self.cache.len_cpu.max())
-        if not (tok.is_cuda and cache.graphable(pos)):
-            return self.model.decode(tok, cache)
-        if self.graph is None:
-            if not self.warm:  # one eager step first: compiles and initialises what the graph will launch
-                self.warm = True
-                return self.step(tok)
-            self.tok, self.graph = tok.clone(), torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):  # records, runs nothing; cache.advance's host part runs once
-                self.logits = self.step(self.tok) if not self.parts else self.side_by_side(self.tok)
-        else:
-            self.tok.copy_(tok)
-            cache.advance_host()
-        self.graph.replay()
-        return self.logits.clone()  # the next replay overwrites the graph's output
-
-    def side_by_side(self, tok):
-        """The parts' steps, each on a stream of its own (forked from the current one and joined to
-        it), recorded layer by layer in turn: their gathers take turns on PCIe in that order
-        (OffloadCache.split), so one part's gather runs while the other computes."""
-        main = torch.cuda.current_stream()
-        streams = [torch.cuda.Stream() for _ in self.parts]
-        steps = [self.model.decode_layers(t, p) for t, p in zip(tok.tensor_split(len(self.parts)), self.parts)]
-        for s in streams:
-            s.wait_stream(main)
-        for _ in range(self.model.cfg.n_layer + 1):
-            out = []
-            for step, s in zip(steps, streams):
-                with torch.cuda.stream(s):
-                    out.append(next(step))
-        for s in streams:
-            main.wait_stream(s)
-        return torch.cat(out)
 
 
 # -----------------------------------------------------------------------------
@@ -254,9 +197,7 @@ def main(checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, prompt=DEFAULT_PROMPT, ma
         device) if device.type == "cuda" else None)
     host = host_budget * 2**30 if host_budget else (nosi.host_bytes_available() if offload else None)
     chunk, on_host = nosi.plan_memory(model.cfg, weights, batch, P, max_len, dtype, gpu, host, offload, chunk)
-    model.fuse_projections()  # a decode step: one matrix product for q, k, v, one for gate and up
-    if "NOSA_FUSE" not in os.environ:  # torch.compile costs seconds a process (imports, compiles, cache reads):
-        fusion.FUSE = batch * max_new_tokens >= 2048  # worth it for long decodes only; NOSA_FUSE=1/0 decides
+    fast.prepare(model, batch * max_new_tokens)  # fused projections; small ops compiled for long decodes
     ids = [ids[i % n_prompts] for i in range(batch)]  # prompts are cycled over the batch
     if offload:
         cache = nosi.OffloadCache(model.cfg, batch, device, dtype, max_len=max_len, host_budget=host)

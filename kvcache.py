@@ -23,7 +23,7 @@ from torch.profiler import record_function
 
 import decode
 import eviction
-import fusion
+import fast
 import pooling
 
 
@@ -50,7 +50,7 @@ class Cache:
 
     def graphable(self, pos):
         """Whether decode steps from largest position pos on launch the same kernels on the same shapes,
-        so one recorded step can be replayed (generate.GraphedDecode): the buffers hold the position
+        so one recorded step can be replayed (fast.GraphedDecode): the buffers hold the position
         (capacity), and every sequence's pooled caches are updated (SubBlockCache.append takes another
         path while no sequence has l_c tokens). A replay runs none of the step's Python: the caller
         advances the host's lengths (advance_host)."""
@@ -178,7 +178,7 @@ def append_subblocks(ring_k, ring_c, K_sub, c_sub, core_ids, core_E, k, c, pos, 
     return append_subblocks_torch(ring_k, ring_c, K_sub, c_sub, core_ids, core_E, k, c, pos, cfg, pooled)
 
 
-@fusion.fused
+@fast.fused
 def append_subblocks_torch(ring_k, ring_c, K_sub, c_sub, core_ids, core_E, k, c, pos, cfg, pooled):
     rows = torch.arange(k.shape[0], device=k.device)
     ring_k[rows, :, pos % cfg.l_c] = k
@@ -215,7 +215,7 @@ class KVCache(Cache):
     eviction scores c (Bz, H_kv, S) for nosa and dma, the pooled caches for the sparse modes, none of
     it for full attention. With max_len, the buffers are allocated once for max_len tokens and sparse
     modes attend over all of them (static shapes, so a decode step can be a CUDA graph:
-    generate.GraphedDecode); without, they grow with the sequences."""
+    fast.GraphedDecode); without, they grow with the sequences."""
 
     def __init__(self, cfg, Bz, device, dtype, max_len=None):
         super().__init__(Bz, device)
@@ -239,7 +239,7 @@ class KVCache(Cache):
             self.set_length(seq, T)
 
     def capacity(self):
-        """Positions below which a decode step keeps its shapes (GraphedDecode); 0: they change every step."""
+        """Positions below which a decode step keeps its shapes (fast.GraphedDecode); 0: they change every step."""
         return self.max_len or 0
 
     def S(self):  # tokens attention spans: all preallocated ones (static shapes), else exactly the context

@@ -17,7 +17,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import eviction
-import fusion
 import nosa
 from common import fp32
 from kvcache import PromptLayer
@@ -79,17 +78,14 @@ class Attention(nn.Module):
             self.delta = nn.Linear(cfg.H_kv * d, cfg.H_kv, bias=False)
             self.delta.init_std = (cfg.H_kv * d) ** -0.5  # see Transformer._init_weights
             self.A = nn.Parameter(torch.zeros(cfg.H_kv))
-        self.w_qkv = None  # q, k, v weights as one tensor, for decoding (Transformer.fuse_projections)
 
-    def qkvc(self, x, rope, w_qkv=None):
-        """Projections, RoPE on q and k, and the eviction score c. x (Bz, T, dim), rope (cos, sin).
-        w_qkv: the q, k, v weights as one tensor (Transformer.fuse_projections): one matrix product."""
-        cfg, (Bz, T, _) = self.cfg, x.shape
-        if w_qkv is not None:
-            q, k, v = F.linear(x, w_qkv).split([cfg.H_q * cfg.head_dim, cfg.H_kv * cfg.head_dim,
-                                                cfg.H_kv * cfg.head_dim], -1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+    def qkvc(self, x, rope):
+        """Projections, RoPE on q and k, and the eviction score c. x (Bz, T, dim), rope (cos, sin)."""
+        return self.heads(self.q_proj(x), self.k_proj(x), self.v_proj(x), rope)
+
+    def heads(self, q, k, v, rope):
+        """The projections q (Bz, T, H_q * d), k, v (Bz, T, H_kv * d) as heads, RoPE on q and k, and c."""
+        cfg, (Bz, T, _) = self.cfg, q.shape
         q = q.view(Bz, T, cfg.H_q, cfg.head_dim).transpose(1, 2)  # (Bz, H_q, T, d)
         k = k.view(Bz, T, cfg.H_kv, cfg.head_dim).transpose(1, 2)  # (Bz, H_kv, T, d)
         v = v.view(Bz, T, cfg.H_kv, cfg.head_dim).transpose(1, 2)  # (Bz, H_kv, T, d)
@@ -122,40 +118,9 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)
         self.up_proj = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)
         self.down_proj = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)
-        self.w_gate_up = None  # gate and up weights as one tensor, for decoding
 
-    def forward(self, x, w_gate_up=None):  # w_gate_up: the gate and up weights as one tensor
-        if w_gate_up is not None:
-            gate, up = F.linear(x, w_gate_up).chunk(2, -1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)  # SwiGLU
-
-
-def fuse_linears(*linears):
-    """Store the weights of these Linear layers (same input) as one tensor, rows one after the other,
-    each layer's weight a view of its slice (values unchanged, no copy kept): one matrix product then
-    computes all their outputs. Returns that tensor. A later .to() or load_state_dict(assign=True)
-    gives the layers tensors of their own again, which is_fused notices."""
-    w = torch.cat([l.weight.detach() for l in linears])
-    row = 0
-    for l in linears:
-        n = l.weight.shape[0]
-        l.weight.data = w[row:row + n]
-        row += n
-    return w
-
-
-def is_fused(w, *linears):
-    """Whether the layers' weights are still the consecutive slices of w (see fuse_linears)."""
-    if w is None:
-        return False
-    at, size = w.data_ptr(), w.element_size() * w.shape[1]
-    for l in linears:
-        if l.weight.data_ptr() != at or l.weight.device != w.device or l.weight.dtype != w.dtype:
-            return False
-        at += size * l.weight.shape[0]
-    return True
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
 
 
 class Block(nn.Module):
@@ -171,24 +136,10 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def decode(self, x, layer, rope, cache):
-        """forward for one new token per sequence against a cache, in three parts: the matrix products
-        and the small operations around them (fused on a GPU), and between them the sparse attention."""
-        a, m = self.self_attn, self.mlp
-        w_qkv = a.w_qkv if is_fused(a.w_qkv, a.q_proj, a.k_proj, a.v_proj) else None  # fuse_projections
-        w_gate_up = m.w_gate_up if is_fused(m.w_gate_up, m.gate_proj, m.up_proj) else None
-        o = a.decode(*block_in(self, x, rope, w_qkv), layer, cache)
-        return block_out(self, x, o, w_gate_up)
-
-
-@fusion.fused
-def block_in(block, x, rope, w_qkv):  # a decode step's input norm, projections, RoPE and eviction score
-    return block.self_attn.qkvc(block.input_layernorm(x), rope, w_qkv)
-
-
-@fusion.fused
-def block_out(block, x, o, w_gate_up):  # its output projection, residuals and MLP
-    x = x + block.self_attn.o_proj(o)
-    return x + block.mlp(block.post_attention_layernorm(x), w_gate_up)
+        """forward for one new token per sequence against the cache; layer: this block's index."""
+        a = self.self_attn
+        x = x + a.o_proj(a.decode(*a.qkvc(self.input_layernorm(x), rope), layer, cache))
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Transformer(nn.Module):
@@ -208,17 +159,6 @@ class Transformer(nn.Module):
         if self.inv_freq is None or self.inv_freq.device != pos.device:
             self.inv_freq = rope_frequencies(self.cfg, pos.device)
         return rope_tables(pos, self.inv_freq, torch.promote_types(dtype, torch.float32))
-
-    def fuse_projections(self):
-        """For decoding: each layer's q, k, v weights stored as one tensor, and its gate and up weights,
-        so that a decode step runs one matrix product for each group (fewer, larger GEMMs). The
-        parameters keep their names and values (views of those tensors): training and checkpoints
-        see no difference. Call it after .to(); a later .to() undoes it (decoding then notices)."""
-        for layer in self.layers:
-            a, m = layer.self_attn, layer.mlp
-            a.w_qkv = fuse_linears(a.q_proj, a.k_proj, a.v_proj)
-            m.w_gate_up = fuse_linears(m.gate_proj, m.up_proj)
-        return self
 
     @staticmethod
     def _init_weights(m):
@@ -269,19 +209,12 @@ class Transformer(nn.Module):
 
     def decode(self, tok, cache):
         """One step: tok (Bz,) the next token of every sequence -> logits (Bz, vocab)."""
-        *_, logits = self.decode_layers(tok, cache)
-        return logits
-
-    def decode_layers(self, tok, cache):
-        """decode, one layer at a time: yields None after each layer, then the logits. Micro-batches
-        (generate.GraphedDecode) interleave their steps layer by layer, each on its own stream."""
         x = self.embed_tokens(tok[:, None])  # (Bz, 1, dim)
         rope = self.rope(cache.len[:, None], x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer.decode(x, i, rope, cache)
-            yield None
         cache.advance()
-        yield self.lm_head(self.norm(x))[:, 0]
+        return self.lm_head(self.norm(x))[:, 0]
 
     def check_length(self, prompt_len, max_new_tokens):
         if prompt_len + max_new_tokens > self.cfg.max_seq_len:

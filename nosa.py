@@ -45,7 +45,7 @@ from torch.profiler import record_function
 
 import attention
 import eviction
-import fusion
+import fast
 import pooling
 
 # -----------------------------------------------------------------------------
@@ -136,7 +136,7 @@ def select_step(Q, core_ids, q_pos, cfg):
     return select_step_torch(Q, core_ids, q_pos, cfg)
 
 
-@fusion.fused
+@fast.fused
 def select_step_torch(Q, core_ids, q_pos, cfg):
     return select_blocks(Q, None, q_pos[:, None], cfg, core_ids)
 

@@ -38,7 +38,7 @@ from torch.profiler import record_function
 
 import decode
 import eviction
-import fusion
+import fast
 import nosa
 import transfer
 from kvcache import Cache, SubBlockCache, grow
@@ -54,7 +54,7 @@ def needed_blocks(sel, pos, active, H_kv, B, k):
     return needed_blocks_torch(sel, pos, active, H_kv, B, k)
 
 
-@fusion.fused
+@fast.fused
 def needed_blocks_torch(sel, pos, active, H_kv, B, k):
     R, nb = sel.shape
     q_blk = (pos // B).repeat_interleave(H_kv)[:, None]  # (R, 1)
@@ -91,7 +91,7 @@ def needed_blocks_triton(sel, pos, active, H_kv, B, k):
     return ids, n_need
 
 
-@fusion.fused
+@fast.fused
 def write_tail(pool, c_all, k, v, c, pos, B):
     """The new token into the tail blocks (the pool's last slot), in place: pool (R, k + 1, 2, B, d),
     c_all (Bz, H_kv, S); k, v (Bz, H_kv, d), c (Bz, H_kv) or None at positions pos (Bz,)."""
@@ -109,7 +109,7 @@ def write_tail(pool, c_all, k, v, c, pos, B):
 # Statistics
 
 
-@fusion.fused
+@fast.fused
 def count_moves(fetch, n_need, fresh, needed, moved, cold, steps, row_max):
     """Stats of one layer's step, in place, per row: fetch (R, k) the blocks gathered, n_need (R,)
     the blocks selected, fresh (R,) rows at their first step after prefill (cleared here)."""
@@ -289,7 +289,7 @@ def pinned_empty(shape, dtype):
 class OffloadCache(Cache):
     """The cache interface of kvcache.py with the KV blocks in host memory and only the selected ones
     on the device. max_len (default cfg.max_seq_len) sizes every buffer once, and selection ranges
-    over all its blocks at every step (static shapes for generate.GraphedDecode): size it to the
+    over all its blocks at every step (static shapes for fast.GraphedDecode): size it to the
     job, as generate.py does."""
 
     # the buffers, one tensor per layer each: those with a row per (sequence, KV head), and those with a
@@ -384,7 +384,7 @@ class OffloadCache(Cache):
     def split(self, n):
         """n caches over consecutive slices of the batch that share this one's memory (views): micro-
         batches whose decode steps can run side by side, one's gathers under the other's compute
-        (generate.GraphedDecode). Only while every position is below capacity(): no buffer may grow."""
+        (fast.GraphedDecode). Only while every position is below capacity(): no buffer may grow."""
         parts, H = [], self.cfg.H_kv
         # every part's gathers on one stream, in the order they were issued, at high priority: their thread
         # blocks take the next free multiprocessors ahead of the other part's compute, so PCIe does not wait
@@ -401,7 +401,7 @@ class OffloadCache(Cache):
             parts.append(part)
         return parts
 
-    def capacity(self):  # positions below which a decode step keeps its shapes (generate.GraphedDecode)
+    def capacity(self):  # positions below which a decode step keeps its shapes (fast.GraphedDecode)
         return self.max_len
 
     def n_blocks(self):  # selection ranges over every block the store holds: static shapes

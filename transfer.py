@@ -223,7 +223,7 @@ def set_difference(need, slot_block, block_slot, fetch):
 def gather_ctas(unit_bytes):
     """Thread blocks for the gather: 16, and 256 KiB / unit for units under 16 KiB (64 for 4 KiB): about
     256 KiB of loads in flight keep PCIe busy, and few blocks leave the other multiprocessors to the
-    kernels of a micro-batch running beside the gather (generate.GraphedDecode)."""
+    kernels of a micro-batch running beside the gather (fast.GraphedDecode)."""
     return max(16, 2**18 // min(unit_bytes, 2**14))
 
 

@@ -44,7 +44,8 @@ def compose(N, Bz, G, t_prefill, t_step):
 @torch.no_grad()
 def bench_requests(shape="8b", prompt_len=131072, new_tokens=(1024, 8192), requests=28, budget_gb=24.0,
                    systems=("nosa-offload", "full", "infllmv2-offload"), steps=48, host_gb=None):
-    from generate import GraphedDecode, random_model
+    from fast import GraphedDecode, prepare
+    from generate import random_model
     from kvcache import KVCache
     cuda = torch.cuda.is_available()
     dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
@@ -58,7 +59,7 @@ def bench_requests(shape="8b", prompt_len=131072, new_tokens=(1024, 8192), reque
         label, attn, use_offload = SYSTEMS[name]
         torch.manual_seed(0)
         model = random_model(Config.from_preset(preset, **over, attn=attn, max_seq_len=max_len), dev, dtype)
-        model.fuse_projections()
+        prepare(model)
         cfg = model.cfg
         weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
         Bz, (chunk, on_host) = largest_plan(cfg, weights, requests, prompt_len, max_len, dtype, budget, host,
@@ -85,7 +86,7 @@ def bench_requests(shape="8b", prompt_len=131072, new_tokens=(1024, 8192), reque
         prefill_peak = torch.cuda.max_memory_allocated() - base if cuda else 0
         if Bz > 1:  # the other rows: random prompts of the same length, as if prefilled
             fill_random(cache, cfg, Bz, prompt_len, dev, dtype, first=1)
-        step = GraphedDecode(model, cache, 2 if use_offload and Bz >= 16 else 1)
+        step = GraphedDecode(model, cache)
         tok = torch.randint(0, cfg.vocab_size, (Bz,), device=dev)
         for _ in range(8):  # the first steps gather whole selections, compile and capture
             tok = step(tok).argmax(-1)

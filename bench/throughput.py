@@ -4,6 +4,7 @@ import time
 import torch
 
 import checkpoint
+import fast
 import offload
 import transfer
 from bench import hbm_bandwidth, pinned_bandwidth
@@ -50,7 +51,6 @@ def fill_random(cache, cfg, Bz, prompt_len, dev, dtype, first=0):
 def activation_bytes(model, new_cache, prompt_len, micro_batches=1):
     """(a0, a1): GPU memory a graphed decode step needs beyond weights and cache, a0 + a1 * batch,
     from the measured peaks at batch m and 2m, m micro-batches (prefill, eager steps, capture, replay)."""
-    from generate import GraphedDecode
     peaks, ns = [], (micro_batches, 2 * micro_batches)
     for n in ns:
         cache = new_cache(n)
@@ -58,7 +58,7 @@ def activation_bytes(model, new_cache, prompt_len, micro_batches=1):
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        step, tok = GraphedDecode(model, cache, micro_batches), torch.zeros(n, dtype=torch.long, device="cuda")
+        step, tok = fast.GraphedDecode(model, cache, micro_batches), torch.zeros(n, dtype=torch.long, device="cuda")
         for _ in range(4):  # eager, eager (warm-up), capture + replay, replay
             tok = step(tok).argmax(-1)
         torch.cuda.synchronize()
@@ -92,13 +92,12 @@ def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, w
     prefill path, so the query-aware selection is random: hit rates are then the guaranteed bound's
     worst case, not a trained model's. With ckpts (train.py's tiny models: DIR/tiny-{nosa,full,infllmv2})
     the prompts are real text run through each trained model: real selections.
-    Per system: eager steps timed, then the same step as a CUDA graph (generate.GraphedDecode;
+    Per system: eager steps timed, then the same step as a CUDA graph (fast.GraphedDecode;
     offloading systems once per number of micro-batches asked for, their parts side by side in the
     graph), then eager steps under the profiler, split by phase (weights, selection, transfer,
     attention: the profiler's ranges) and the gathers' time and bytes."""
     from dataclasses import replace
 
-    from generate import GraphedDecode
     from kvcache import KVCache
     from model import Transformer
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -122,7 +121,7 @@ def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, w
         else:
             with torch.device(dev):  # initialised where it runs: an 8B model would take minutes on the host
                 model = Transformer(replace(base, attn=attn)).to(dtype)
-        model.eval().fuse_projections()
+        fast.prepare(model.eval())
         cfg = model.cfg
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         new_cache = lambda n: (offload.OffloadCache(cfg, n, dev, dtype, max_len=max_len, host_budget=host_budget)
@@ -163,7 +162,7 @@ def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, w
                 return (time.perf_counter() - t0) / n
 
             eager_s = timed(step, eager_steps)  # before: every kernel launched from Python
-            graphed = GraphedDecode(model, cache, mb)
+            graphed = fast.GraphedDecode(model, cache, mb)
             gstep = lambda t: graphed(t).argmax(-1)
             timed(gstep, warmup)  # warm-up, capture
             needed0, moved0 = ((cache.stats.needed.sum().item(), cache.stats.moved.sum().item()) if use_offload

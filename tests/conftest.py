@@ -9,8 +9,7 @@ if not torch.cuda.is_available():
 
 torch.set_num_threads(max(1, os.cpu_count() or 1))
 
-import fusion  # noqa: E402 (after TRITON_INTERPRET)
-from generate import GraphedDecode  # noqa: E402
+import fast  # noqa: E402 (after TRITON_INTERPRET)
 from kvcache import KVCache  # noqa: E402
 from model import Transformer  # noqa: E402
 from config import Config  # noqa: E402
@@ -20,10 +19,10 @@ from config import Config  # noqa: E402
 @pytest.fixture(autouse=True)
 def _seed_and_threads():
     torch.manual_seed(0)
-    threads, fuse = torch.get_num_threads(), fusion.FUSE
+    threads, fuse = torch.get_num_threads(), fast.FUSE
     yield
     torch.set_num_threads(threads)  # generate.cli runs on one thread on CPU; the other tests do not
-    fusion.FUSE = fuse  # generate.main decides it per run
+    fast.FUSE = fuse  # fast.prepare decides it per run
 
 
 # k*B = 64 tokens: sequences of 300+ tokens cross many block boundaries with sparsity active
@@ -42,7 +41,7 @@ def make_model(attn, dtype, **kw):
 
 def decode_logits(model, idx, prompt_lens, cache=None, graphed=False, micro_batches=1, chunk=None):
     """Prefill each sequence's prompt, then decode the rest of idx one token per step (through
-    GraphedDecode if graphed, in micro-batches if asked; the prompts `chunk` tokens at a time);
+    fast.GraphedDecode if graphed, in micro-batches if asked; the prompts `chunk` tokens at a time);
     returns the logits at every position from
     the last prompt token on, per sequence. The cache defaults to a growing KVCache on idx's device."""
     cache = cache or KVCache(model.cfg, len(prompt_lens), idx.device, model.embed_tokens.weight.dtype)
@@ -50,7 +49,7 @@ def decode_logits(model, idx, prompt_lens, cache=None, graphed=False, micro_batc
     with torch.no_grad():
         for i, P in enumerate(prompt_lens):
             out[i].append(model.prefill(idx[i:i + 1, :P], cache, i, chunk))
-        decode = GraphedDecode(model, cache, micro_batches)
+        decode = fast.GraphedDecode(model, cache, micro_batches)
         decode = decode if graphed else decode.step
         for s in range(idx.shape[1] - max(prompt_lens)):
             logits = decode(torch.stack([idx[i, P + s] for i, P in enumerate(prompt_lens)]))

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import checkpoint
+import fast
 import generate
 
 
@@ -155,7 +156,7 @@ def test_prefill_and_decode_stay_within_the_memory_model():
     import offload
     from config import Config
     cfg = Config.from_preset("paper", n_layer=2, vocab_size=32000)
-    model = generate.random_model(cfg, "cuda", torch.bfloat16).fuse_projections()
+    model = fast.prepare(generate.random_model(cfg, "cuda", torch.bfloat16))
     P, C = 16384, 2048
     cache = offload.OffloadCache(cfg, 2, "cuda", torch.bfloat16, max_len=P + 64)
     idx = torch.randint(0, 32000, (1, P), device="cuda")
@@ -168,7 +169,7 @@ def test_prefill_and_decode_stay_within_the_memory_model():
     used, model_bytes = torch.cuda.max_memory_allocated() - base, offload.prefill_bytes(cfg, P, C, torch.bfloat16)
     print(f"prefill: {used / 2**20:.0f} MiB measured, {model_bytes / 2**20:.0f} MiB modelled")
     assert used <= model_bytes and used >= model_bytes / 4
-    step = generate.GraphedDecode(model, cache, 1)
+    step = fast.GraphedDecode(model, cache, 1)
     tok = torch.zeros(2, dtype=torch.long, device="cuda")
     torch.cuda.reset_peak_memory_stats()
     for _ in range(4):

@@ -6,7 +6,7 @@ import torch
 
 import attention
 import decode
-import fusion
+import fast
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # fp32 dots run as TF32 on a GPU (about 3e-4 relative error), exactly in the interpreter
@@ -257,7 +257,7 @@ def test_full_attention_decode_bf16(prompt_lens):
 
 
 def test_fused_runs_as_written_off_the_gpu_and_falls_back_when_compiling_fails(monkeypatch):
-    """fusion.fused: CPU tensors run the function itself; on a GPU, a torch.compile failure warns
+    """fast.fused: CPU tensors run the function itself; on a GPU, a torch.compile failure warns
     once, and the function runs unfused from then on."""
     n_compiles = []
 
@@ -265,7 +265,7 @@ def test_fused_runs_as_written_off_the_gpu_and_falls_back_when_compiling_fails(m
         n_compiles.append(fn)
         return lambda *a: (_ for _ in ()).throw(RuntimeError("no C compiler"))
 
-    g = fusion.fused(lambda x, n: x * n)
+    g = fast.fused(lambda x, n: x * n)
     x = torch.randn(3)
     assert torch.equal(g(x, 2), x * 2) and not n_compiles  # CPU: no compile
     monkeypatch.setattr(torch, "compile", broken_compile)
@@ -276,7 +276,7 @@ def test_fused_runs_as_written_off_the_gpu_and_falls_back_when_compiling_fails(m
         def __mul__(self, n):
             return n
 
-    h = fusion.fused(lambda x, n: x * n)
+    h = fast.fused(lambda x, n: x * n)
     with pytest.warns(UserWarning, match="runs unfused"):
         assert h(OnGPU(), 5) == 5
     assert h(OnGPU(), 7) == 7 and len(n_compiles) == 1  # warned and compiled once

@@ -36,20 +36,21 @@ def test_decode_equals_parallel_fp32_tiny_preset():
     torch.testing.assert_close(dec, ref[0, 39:], rtol=1e-4, atol=1e-4)
 
 
-def test_fused_projections_decode_equals_parallel(tmp_path):
-    """Transformer.fuse_projections (q, k, v and gate, up weights as one tensor each, the parameters
-    views of them): same decode logits as the parallel forward, same parameters and checkpoint;
-    a later .to() separates the weights again and decoding notices."""
+def test_prepared_decode_equals_parallel(tmp_path):
+    """fast.prepare (q, k, v and gate, up weights as one tensor each, the parameters views of them,
+    the small operations fused): same decode logits as the parallel forward, same parameters and
+    checkpoint; a later .to() separates the weights again and decoding notices."""
     import checkpoint
-    from model import is_fused
+    from fast import is_fused, prepare
     model = make_model("nosa", torch.float64)
     idx = torch.randint(0, 97, (2, 200))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
         ref = model(idx)
-        model.fuse_projections()
-        a, m = model.layers[0].self_attn, model.layers[0].mlp
-        assert is_fused(a.w_qkv, a.q_proj, a.k_proj, a.v_proj) and is_fused(m.w_gate_up, m.gate_proj, m.up_proj)
+        prepare(model)
+        (block, w_qkv, w_gate_up), a, m = model.layers[0].decode.args, model.layers[0].self_attn, model.layers[0].mlp
+        assert block is model.layers[0]
+        assert is_fused(w_qkv, a.q_proj, a.k_proj, a.v_proj) and is_fused(w_gate_up, m.gate_proj, m.up_proj)
         assert before.keys() == model.state_dict().keys()
         assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
         for i, (P, got) in enumerate(zip([3, 50], decode_logits(model, idx, [3, 50]))):
@@ -58,7 +59,7 @@ def test_fused_projections_decode_equals_parallel(tmp_path):
         loaded, _ = checkpoint.load(str(tmp_path / "ck"))
         assert all(torch.equal(before[k], v) for k, v in loaded.state_dict().items())
         model.to(torch.float32)
-        assert not is_fused(a.w_qkv, a.q_proj, a.k_proj, a.v_proj)
+        assert not is_fused(w_qkv, a.q_proj, a.k_proj, a.v_proj)
         got = decode_logits(model, idx, [50])[0]
         torch.testing.assert_close(got, model(idx)[0, 49:49 + got.shape[0]], rtol=1e-4, atol=1e-4)
 

@@ -5,6 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import fast
 import offload
 import transfer
 from generate import generate
@@ -22,7 +23,7 @@ class CheckedCache(OffloadCache):
 
     moves = []  # blocks gathered per (row, layer, step), rows past their first step after prefill
 
-    def capacity(self):  # no CUDA graph (generate.GraphedDecode): the checks read the tables every step
+    def capacity(self):  # no CUDA graph (fast.GraphedDecode): the checks read the tables every step
         return 0
 
     def attend(self, layer, q, block_mask):
@@ -238,7 +239,7 @@ def test_cuda_gather_with_few_blocks(ctas, unit):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("offloaded", [True, False])
 def test_graphed_decode_equals_eager(offloaded):
-    model = make_model("nosa", torch.float32, B=16, l_c=8, s_c=4).to(DEV).fuse_projections()  # B >= 16: Triton
+    model = fast.prepare(make_model("nosa", torch.float32, B=16, l_c=8, s_c=4).to(DEV))  # B >= 16: Triton
     cfg = model.cfg
     prompt_lens = [5, 37, 70]
     T = max(prompt_lens) + 3 * cfg.k * cfg.B
@@ -386,7 +387,7 @@ def test_generate_offload_with_no_cuda_toolkit(tmp_path):
 
 
 def test_a_step_is_graphed_from_the_first_sub_block_to_the_capacity():
-    """cache.graphable (generate.GraphedDecode records a step once, then replays it): not before some
+    """cache.graphable (fast.GraphedDecode records a step once, then replays it): not before some
     sequence has l_c tokens (the pooled caches' update takes another path), not at or past the
     preallocated length, never for a cache that grows; the same rule for the offloaded cache."""
     from config import Config
