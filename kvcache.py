@@ -101,6 +101,53 @@ class PromptLayer:
                                                                                               c_sub)
 
 
+class ResidualStream:
+    """A prompt's residual stream (1, T, dim) between the layers of a chunked prefill, read and
+    written C positions at a time (model.Transformer.prefill). On the device, or in pinned host
+    memory where it does not fit beside the cache: then the copies run on a stream of their own, the
+    next chunk's to the GPU and the last one's back while the current chunk computes."""
+
+    def __init__(self, T, dim, C, device, dtype, on_host):
+        self.T, self.C, self.device = T, C, device
+        self.x = torch.empty(1, T, dim, dtype=dtype, device="cpu" if on_host else device, pin_memory=on_host)
+        self.copies = torch.cuda.Stream(device) if on_host else None
+
+    def chunks(self):
+        """(start, the chunk (1, C, dim) on the device) in order, the next one already on its way."""
+        if self.copies is None:
+            yield from ((s, self.x[:, s:s + self.C]) for s in range(0, self.T, self.C))
+            return
+        nxt = self.fetch(0)
+        for s in range(0, self.T, self.C):
+            h, ready = nxt
+            torch.cuda.current_stream().wait_event(ready)  # this chunk is here (the copies after it may run on)
+            h.record_stream(torch.cuda.current_stream())  # its memory is not reused before the compute is done
+            if s + self.C < self.T:
+                nxt = self.fetch(s + self.C)
+            yield s, h
+
+    def fetch(self, s):  # chunk s to the device on the copy stream, after the writes before it
+        with torch.cuda.stream(self.copies):
+            h = self.x[:, s:s + self.C].to(self.device, non_blocking=True)
+            return h, self.copies.record_event()
+
+    def write(self, s, h):
+        """The chunk at s is now h (1, C, dim), on the device."""
+        if self.copies is None:
+            self.x[:, s:s + h.shape[1]] = h
+            return
+        self.copies.wait_stream(torch.cuda.current_stream())  # once h is computed
+        with torch.cuda.stream(self.copies):
+            self.x[:, s:s + h.shape[1]].copy_(h, non_blocking=True)
+        h.record_stream(self.copies)
+
+    def last(self):
+        """The last position (1, dim), on the device."""
+        if self.copies is not None:
+            torch.cuda.current_stream().wait_stream(self.copies)
+        return self.x[:, -1].to(self.device)
+
+
 class SubBlockCache:
     """Per layer: the pooled caches K̃ (Bz, H_kv, M, d) and c̃ (Bz, H_kv, M), kept up to date
     one token at a time from a ring of the last l_c keys and scores. Both caches use it."""

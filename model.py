@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import eviction
 import nosa
 from common import fp32
-from kvcache import PromptLayer
+from kvcache import PromptLayer, ResidualStream
 
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
@@ -194,18 +194,18 @@ class Transformer(nn.Module):
         T, dev = idx.shape[1], idx.device
         self.check_length(T, 0)
         C, dtype = chunk or T, self.embed_tokens.weight.dtype
-        on_host = stream_on_host and dev.type == "cuda"
-        x = torch.empty(1, T, self.cfg.dim, dtype=dtype, device="cpu" if on_host else dev, pin_memory=on_host)
+        x = ResidualStream(T, self.cfg.dim, C, dev, dtype, stream_on_host and dev.type == "cuda")
+        for s in range(0, T, C):
+            x.write(s, self.embed_tokens(idx[:, s:s + C]))
         prompt = PromptLayer(self.cfg, T, dev, dtype, self.cfg.eviction_head)  # reused by every layer
         for i, layer in enumerate(self.layers):
-            for s in range(0, T, C):
-                pos = torch.arange(s, min(s + C, T), device=dev)[None]
-                h = self.embed_tokens(idx[:, s:s + C]) if i == 0 else x[:, s:s + C].to(dev, non_blocking=True)
-                x[:, s:s + C].copy_(layer(h, self.rope(pos, dtype), prompt, s), non_blocking=True)
+            for s, h in x.chunks():
+                pos = torch.arange(s, s + h.shape[1], device=dev)[None]
+                x.write(s, layer(h, self.rope(pos, dtype), prompt, s))
             cache.prefill(i, seq, prompt.k[0], prompt.v[0], None if prompt.c is None else prompt.c[0])
             if progress:
                 progress((i + 1) / len(self.layers))
-        return self.lm_head(self.norm(x[:, -1].to(dev)))[0]
+        return self.lm_head(self.norm(x.last()))[0]
 
     def decode(self, tok, cache):
         """One step: tok (Bz,) the next token of every sequence -> logits (Bz, vocab)."""

@@ -196,8 +196,8 @@ PREFILL_CHUNKS = (8192, 4096, 2048, 1024, 512, 256)  # the chunk sizes a prefill
 
 def prefill_bytes(cfg, T, C, dtype, stream_on_host=False):
     """GPU bytes a chunked prefill of a T-token prompt needs beyond the weights and the cache
-    (model.Transformer.prefill), C tokens a chunk: the prompt's residual stream (T, dim) unless it is
-    kept in host memory, one layer's K, V, c and pooled caches and a copy of them (the attention kernel
+    (model.Transformer.prefill), C tokens a chunk: the prompt's residual stream (T, dim), or the next
+    chunk of it when it is kept in host memory, one layer's K, V, c and pooled caches and a copy of them (the attention kernel
     reads the keys so far contiguous; the cache's prefill stacks K and V), and the largest of one
     chunk's activations: RoPE in fp32, scoring and selection (nosa.SELECT_ROWS queries at a time,
     over nb blocks; the selection kept as tiles), the MLP. A bound checked against the measured peak on the GPU."""
@@ -210,7 +210,8 @@ def prefill_bytes(cfg, T, C, dtype, stream_on_host=False):
     live = 2 * (H_q + 2 * H) * d * elt + 4 * dim * elt + (H * 8 * cfg.k if cfg.sparse else 0)
     select = min(C, nosa.SELECT_ROWS) * H * nb * 20 if cfg.sparse else 0  # the scores Q and their parts, fp32
     peak = max(16 * H_q * d, 4 * cfg.hidden_dim * elt + dim * (8 + 2 * elt)) * C
-    return whole + C * live + max(select, peak) + 2**27  # and 128 MiB for workspaces
+    ahead = C * dim * elt if stream_on_host else 0  # the next chunk of the stream, on its way (kvcache.ResidualStream)
+    return whole + C * live + ahead + max(select, peak) + 2**27  # and 128 MiB for workspaces
 
 
 def decode_bytes(cfg, Bz, max_len, dtype):

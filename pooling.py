@@ -97,6 +97,10 @@ def _qscore_kernel(Q, KS, QPOS, OWN, LAST, scale, T, M, NB,
                    H_kv: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
                    R_SUB: tl.constexpr, P_OVER: tl.constexpr, S_C: tl.constexpr, L_C: tl.constexpr,
                    NBT: tl.constexpr):
+    """One program per tile of BT queries x the GP heads of a KV group (rows), over the compressed keys
+    of its KV head: pass 1 the softmax statistics of every row, pass 2 P summed over the group's heads
+    and max-pooled to blocks. In base 2 (exp2, scores times log2 e), each row's log-sum-exp folded
+    into the exponent; the sub-blocks every row of the tile sees are read without a mask."""
     tile, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H_kv, bh % H_kv
     ROWS: tl.constexpr = BT * GP
@@ -107,23 +111,28 @@ def _qscore_kernel(Q, KS, QPOS, OWN, LAST, scale, T, M, NB,
     offs_d = tl.arange(0, D)
     q = tl.load(Q + ((b * H_kv * G + h * G + g) * T + t)[:, None] * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     pos = tl.load(QPOS + b * T + t, mask=row_ok, other=-1)
+    scale2 = scale * 1.4426950408889634  # log2 e: exp(x) = exp2(x log2 e)
     p_last = tl.max(pos, 0) + 1  # tokens the tile's last query sees: sub-blocks from M_VIS on are hidden from all
     M_VIS = tl.minimum(tl.where(p_last >= L_C, (p_last - L_C) // S_C + 1, 0), M)
-    # pass 1: softmax statistics over the sub-blocks each query sees
+    p_first = tl.min(tl.where(row_ok, pos, 2**30), 0) + 1  # and its first: all rows see the sub-blocks before M_ALL
+    M_ALL = tl.minimum(tl.where(p_first >= L_C, (p_first - L_C) // S_C + 1, 0), M)
+    m_full = tl.where((G == GP) & (tile * BT + BT <= T), M_ALL // BM * BM, 0)  # tiles no mask needs to touch
+    # pass 1: softmax statistics over the sub-blocks each query sees (m_i, l_i in base 2)
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     for m0 in range(0, M_VIS, BM):
         offs_m = m0 + tl.arange(0, BM)
         ks = tl.load(KS + (bh * M + offs_m)[:, None] * D + offs_d[None, :], mask=(offs_m < M)[:, None], other=0.0)
-        vis = (offs_m[None, :] < M) & (offs_m[None, :] * S_C + L_C - 1 <= pos[:, None])
-        s = tl.where(vis, tl.dot(q, tl.trans(ks)) * scale, float("-inf"))
+        s = tl.dot(q, tl.trans(ks)) * scale2
+        if m0 >= m_full:
+            vis = (offs_m[None, :] < M) & (offs_m[None, :] * S_C + L_C - 1 <= pos[:, None])
+            s = tl.where(vis, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), 1)
+        l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
         m_i = m_new
-    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    # pass 2: P summed over the heads of the group, max-pooled to blocks, in registers
+    lse = tl.where(m_i == float("-inf"), 0.0, m_i) + tl.log2(tl.where(l_i > 0, l_i, 1.0))
+    # pass 2: P = exp2(s - lse) summed over the heads of the group, max-pooled to blocks, in registers
     t_tok = tile * BT + tl.arange(0, BT)
     m_split = tl.cdiv(M_VIS, BM) * BM  # past it no query of the tile sees a sub-block: P = 0 there, no products
     for m0 in range(0, NB * R_SUB, BM):
@@ -131,8 +140,10 @@ def _qscore_kernel(Q, KS, QPOS, OWN, LAST, scale, T, M, NB,
         if m0 < m_split:
             ks = tl.load(KS + (bh * M + offs_m)[:, None] * D + offs_d[None, :], mask=(offs_m < M)[:, None],
                          other=0.0)
-            vis = (offs_m[None, :] < M) & (offs_m[None, :] * S_C + L_C - 1 <= pos[:, None]) & row_ok[:, None]
-            p = tl.where(vis, tl.exp(tl.dot(q, tl.trans(ks)) * scale - m_safe[:, None]) / l_safe[:, None], 0.0)
+            p = tl.exp2(tl.dot(q, tl.trans(ks)) * scale2 - lse[:, None])
+            if m0 >= m_full:
+                vis = (offs_m[None, :] < M) & (offs_m[None, :] * S_C + L_C - 1 <= pos[:, None]) & row_ok[:, None]
+                p = tl.where(vis, p, 0.0)
             P = tl.sum(tl.reshape(p, (BT, GP, BM)), 1)  # (BT, BM)
         else:
             P = tl.zeros([BT, BM], tl.float32)

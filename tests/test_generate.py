@@ -151,8 +151,9 @@ def test_random_model_with_a_long_prompt_in_chunks(capsys):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="measures GPU memory")
 @torch.no_grad()  # as generate runs
 def test_prefill_and_decode_stay_within_the_memory_model():
-    """The peak of a chunked prefill beyond the weights and the cache is within offload.prefill_bytes,
-    and not far below it; a graphed decode step's is within offload.decode_bytes."""
+    """The peak of a chunked prefill beyond the weights and the cache (its residual stream on the GPU,
+    or in host memory) is within offload.prefill_bytes, and not far below it; a graphed decode step's
+    is within offload.decode_bytes."""
     import offload
     from config import Config
     cfg = Config.from_preset("paper", n_layer=2, vocab_size=32000)
@@ -163,12 +164,14 @@ def test_prefill_and_decode_stay_within_the_memory_model():
     model.prefill(idx[:, :256], cache, 1, C)  # compile and warm up first
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    model.prefill(idx, cache, 0, C)
-    torch.cuda.synchronize()
-    used, model_bytes = torch.cuda.max_memory_allocated() - base, offload.prefill_bytes(cfg, P, C, torch.bfloat16)
-    print(f"prefill: {used / 2**20:.0f} MiB measured, {model_bytes / 2**20:.0f} MiB modelled")
-    assert used <= model_bytes and used >= model_bytes / 4
+    for on_host in (False, True):
+        torch.cuda.reset_peak_memory_stats()
+        model.prefill(idx, cache, 0, C, stream_on_host=on_host)
+        torch.cuda.synchronize()
+        used = torch.cuda.max_memory_allocated() - base
+        model_bytes = offload.prefill_bytes(cfg, P, C, torch.bfloat16, on_host)
+        print(f"prefill, stream on host {on_host}: {used / 2**20:.0f} MiB measured, {model_bytes / 2**20:.0f} MiB modelled")
+        assert used <= model_bytes and used >= model_bytes / 4, on_host
     step = fast.GraphedDecode(model, cache, 1)
     tok = torch.zeros(2, dtype=torch.long, device="cuda")
     torch.cuda.reset_peak_memory_stats()
