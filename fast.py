@@ -5,8 +5,9 @@ plain model, and everything here computes what it computes (the tests compare th
   fused           chains of small torch operations (norms, RoPE, cache writes, ranks, masks, counters)
                   compiled by torch.compile into a few Triton kernels on a GPU; the torch code is its
                   own twin and runs as written elsewhere, or with NOSA_FUSE=0
-  prepare         a model's decode step with its q, k, v weights (and its gate, up weights) as one
-                  tensor each, one matrix product per group, and the small operations around them fused
+  prepare         a model's q, k, v weights (and its gate, up weights) stored as one tensor each, so
+                  that decode (model.decode made fast) runs one matrix product per group, with the
+                  small operations around them fused
   GraphedDecode   the whole step captured as one CUDA graph and replayed; at large offloaded batches
                   in two micro-batches, one's transfers under the other's compute
 """
@@ -53,11 +54,11 @@ def fused(fn):
 
 
 def prepare(model, tokens=None):
-    """The model, its decode steps made fast (same logits): each block's q, k, v weights stored as one
-    tensor, and its gate and up weights, so a step runs one matrix product for each group; the
-    operations around them fused. The parameters keep their names and values (views of those
-    tensors): training and checkpoints see no difference. Call it after .to(); a later .to() gives
-    the parameters storage of their own again, and the step notices and runs the plain one.
+    """The model, ready for decode below (same logits as model.decode): each block's q, k, v weights
+    stored as one tensor, and its gate and up weights (block.fused), so a step runs one matrix product
+    for each group. The parameters keep their names and values (views of those tensors): training
+    and checkpoints see no difference. Call it after .to(); a later .to() gives the parameters
+    storage of their own again, and decode notices and runs the plain block step.
     tokens: how many tokens the run will decode (batch x new tokens); torch.compile costs seconds a
     process (imports, compiles, cache reads), worth it from 2048 on. NOSA_FUSE=1/0 decides instead."""
     global FUSE
@@ -66,7 +67,7 @@ def prepare(model, tokens=None):
     for block in model.layers:
         a, m = block.self_attn, block.mlp
         w_qkv, w_gate_up = fuse_linears(a.q_proj, a.k_proj, a.v_proj), fuse_linears(m.gate_proj, m.up_proj)
-        block.decode = functools.partial(block_decode, block, w_qkv, w_gate_up)  # in place of Block.decode
+        block.fused = (w_qkv, w_gate_up)
     return model
 
 
@@ -92,11 +93,30 @@ def is_fused(w, *linears):
     return True
 
 
-def block_decode(block, w_qkv, w_gate_up, x, layer, rope, cache):
-    """model.Block.decode with the fused weights (prepare), if they are still the parameters."""
+def decode(model, tok, cache):
+    """model.decode (one step: tok (Bz,) -> logits (Bz, vocab)) through block_decode."""
+    *_, logits = decode_layers(model, tok, cache)
+    return logits
+
+
+def decode_layers(model, tok, cache):
+    """decode one layer at a time: yields None after each layer, then the logits (for micro-batches)."""
+    x = model.embed_tokens(tok[:, None])  # (Bz, 1, dim)
+    rope = model.rope(cache.len[:, None], x.dtype)
+    for i, layer in enumerate(model.layers):
+        x = block_decode(layer, x, i, rope, cache)
+        yield None
+    cache.advance()
+    yield model.lm_head(model.norm(x))[:, 0]
+
+
+def block_decode(block, x, layer, rope, cache):
+    """model.Block.decode with the fused weights (prepare) while they are still the parameters."""
     a, m = block.self_attn, block.mlp
-    if not (is_fused(w_qkv, a.q_proj, a.k_proj, a.v_proj) and is_fused(w_gate_up, m.gate_proj, m.up_proj)):
-        return type(block).decode(block, x, layer, rope, cache)
+    w_qkv, w_gate_up = getattr(block, "fused", (None, None))
+    if w_qkv is None or not (is_fused(w_qkv, a.q_proj, a.k_proj, a.v_proj)
+                             and is_fused(w_gate_up, m.gate_proj, m.up_proj)):
+        return block.decode(x, layer, rope, cache)
     o = a.decode(*block_in(block, x, rope, w_qkv), layer, cache)
     return block_out(block, x, o, w_gate_up)
 
@@ -125,7 +145,7 @@ def default_micro_batches(cache):
 
 
 class GraphedDecode:
-    """model.decode, captured once as a CUDA graph and replayed every step: the thousands of
+    """decode, captured once as a CUDA graph and replayed every step: the thousands of
     small launches of a step (per layer: projections, scoring, selection, set difference, gather,
     attention) become one, so a step costs what its kernels cost. This is correct because nothing
     in a step asks the host: positions, lengths, tables and transfers live on the device, and shapes
@@ -142,13 +162,13 @@ class GraphedDecode:
 
     def step(self, tok):  # the eager step: the whole batch, or its parts one after the other
         if not self.parts:
-            return self.model.decode(tok, self.cache)
-        return torch.cat([self.model.decode(t, p) for t, p in zip(tok.tensor_split(len(self.parts)), self.parts)])
+            return decode(self.model, tok, self.cache)
+        return torch.cat([decode(self.model, t, p) for t, p in zip(tok.tensor_split(len(self.parts)), self.parts)])
 
     def __call__(self, tok):
         cache, pos = self.cache, int(self.cache.len_cpu.max())
         if not (tok.is_cuda and cache.graphable(pos)):
-            return self.model.decode(tok, cache)
+            return decode(self.model, tok, cache)
         if self.graph is None:
             if not self.warm:  # one eager step first: compiles and initialises what the graph will launch
                 self.warm = True
@@ -180,13 +200,3 @@ class GraphedDecode:
             main.wait_stream(s)
         return torch.cat(out)
 
-
-def decode_layers(model, tok, cache):
-    """model.decode one layer at a time: yields None after each layer, then the logits."""
-    x = model.embed_tokens(tok[:, None])  # (Bz, 1, dim)
-    rope = model.rope(cache.len[:, None], x.dtype)
-    for i, layer in enumerate(model.layers):
-        x = layer.decode(x, i, rope, cache)
-        yield None
-    cache.advance()
-    yield model.lm_head(model.norm(x))[:, 0]

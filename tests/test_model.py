@@ -48,8 +48,7 @@ def test_prepared_decode_equals_parallel(tmp_path):
     with torch.no_grad():
         ref = model(idx)
         prepare(model)
-        (block, w_qkv, w_gate_up), a, m = model.layers[0].decode.args, model.layers[0].self_attn, model.layers[0].mlp
-        assert block is model.layers[0]
+        (w_qkv, w_gate_up), a, m = model.layers[0].fused, model.layers[0].self_attn, model.layers[0].mlp
         assert is_fused(w_qkv, a.q_proj, a.k_proj, a.v_proj) and is_fused(w_gate_up, m.gate_proj, m.up_proj)
         assert before.keys() == model.state_dict().keys()
         assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
@@ -62,6 +61,22 @@ def test_prepared_decode_equals_parallel(tmp_path):
         assert not is_fused(w_qkv, a.q_proj, a.k_proj, a.v_proj)
         got = decode_logits(model, idx, [50])[0]
         torch.testing.assert_close(got, model(idx)[0, 49:49 + got.shape[0]], rtol=1e-4, atol=1e-4)
+
+
+def test_prepared_model_is_freed_when_dropped():
+    """fast.prepare leaves no reference cycle: a dropped model frees its memory at once, not at the
+    next garbage collection (a benchmark that builds one 8B model after another needs that)."""
+    import gc
+    import weakref
+    from fast import prepare
+    model = prepare(make_model("nosa", torch.float32))
+    gone = weakref.ref(model.layers[0])
+    gc.disable()
+    try:
+        del model
+        assert gone() is None
+    finally:
+        gc.enable()
 
 
 def test_sparsity_is_active():
