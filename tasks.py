@@ -3,9 +3,15 @@ Synthetic long-range recall tasks in code form, mixed into training (train.py --
 by python -m bench recall: a fact is stated once, real code from the corpus follows, and at the end
 an assertion needs the fact; the answer is what a model must produce.
 
-  passkey   SECRET_4711 = 83520            ...  assert SECRET_4711 == 83520
-  needle    KEY_ab = 12, KEY_cd = 907, ... (distractors)  ...  assert KEY_cd == 907
+  passkey   assert SECRET_4711 == 83520    ...  assert SECRET_4711 == 83520
+  needle    assert KEY_ab_0 == 12, assert KEY_cd_1 == 907, ... (distractors)  ...  assert KEY_cd_1 == 907
   chain     a = 7  ...  b = a  ...  c = b  ...  assert c == 7        (variable tracking)
+
+For the passkey and the needle the question ends with the very tokens that come before the value in
+the fact (as RULER's passkey repeats "The pass key is"), so the value can be copied by matching
+what precedes it. Stated as an assignment (`SECRET_4711 = 83520`) the two differ in the token before
+the value (` =` against ` ==`) and in the name's first token (a leading space or not), and tiny
+models trained with such tasks learned nothing of them (BENCHMARKS.md). The chain needs two hops.
 
 A task is assembled from tokens: filler windows of the corpus, the fact's tokens at an exact distance
 before the question, so that the answer's block lies where the test puts it: past the window and the
@@ -22,21 +28,21 @@ def encode(tok, text):
 
 
 def task_pieces(kind, rng):
-    """The texts of one task: (facts, question, answer): facts in the order they appear (the one the
-    question needs last for passkey and needle, the whole chain for chain), each on a line of its own
-    in the filler. The answer keeps its leading space, as the fact has it (" 83520"): the tokenizer
+    """The texts of one task: (facts, question, answer): facts in the order they appear (the needle's
+    asked one first, the farthest back; the chain's links in order), each on a line of its own in the
+    filler. The answer keeps its leading space, as the fact has it (" 83520"): the tokenizer
     splits off a space with the word after it, so the answer's tokens are the fact's, and the model
     can copy them."""
     if kind == "passkey":
         name, value = f"SECRET_{rng.integers(1000, 10000)}", int(rng.integers(10000, 100000))
-        return [f"\n{name} = {value}\n"], f"\nassert {name} ==", f" {value}\n"
+        return [f"\nassert {name} == {value}\n"], f"\nassert {name} ==", f" {value}\n"
     if kind == "needle":
         names = rng.choice(list("abcdefghijklmnopqrstuvwxyz"), size=(4, 2))
         keys = [f"KEY_{''.join(n)}_{i}" for i, n in enumerate(names)]
         values = [int(v) for v in rng.integers(10, 1000, size=4)]
         asked = int(rng.integers(0, 4))
         order = [asked] + [i for i in range(4) if i != asked]  # the asked fact first: the farthest back
-        return [f"\n{keys[i]} = {values[i]}\n" for i in order], f"\nassert {keys[asked]} ==", f" {values[asked]}\n"
+        return [f"\nassert {keys[i]} == {values[i]}\n" for i in order], f"\nassert {keys[asked]} ==", f" {values[asked]}\n"
     if kind == "chain":
         a, b, c = (f"{x}{rng.integers(0, 100)}" for x in rng.choice(list("uvwxyz"), size=3, replace=False))
         value = int(rng.integers(0, 100))

@@ -351,6 +351,8 @@ def test_recall_tasks(corpus, tmp_path):
             assert tok.decode(ids[:at].tolist()).endswith(question)
             answer_ids = tok.encode(answer).ids  # the answer is token for token a copy from the fact
             assert tok.encode(facts[0]).ids[-len(answer_ids):] == answer_ids, (kind, facts[0], answer)
+            if kind != "chain":  # and what precedes it there is the question, token for token
+                assert tok.encode(facts[0]).ids[:-len(answer_ids)] == tok.encode(question).ids, (kind, facts[0])
     kw = dict(data=corpus, data_dir=str(tmp_path / "data"), steps=4, eval_every=2, tasks=0.5, **run, **small)
     ref, _ = train.main(out=str(tmp_path / "a"), **kw)
     train.main(out=str(tmp_path / "b"), stop_at=2, **kw)
