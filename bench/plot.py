@@ -73,13 +73,33 @@ def plot_decode(plt):
     return fig
 
 
+def plot_recall(plt):
+    """Exact-match recall of the tasks against the distance from the fact, per system."""
+    rows = load("recall.json")
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for system in dict.fromkeys(r["system"] for r in rows):
+        rs = [r for r in rows if r["system"] == system]
+        ax.plot([r["distance"] for r in rs], [100 * r["accuracy"] for r in rs], "o-", label=system)
+    ax.axvline(1024, color="grey", lw=0.8, ls=":")
+    ax.text(1024, ax.get_ylim()[1] * 0.95, " training length", fontsize=7, va="top")
+    ax.set(xscale="log", xlabel="distance from the fact to the question (tokens)", ylabel="exact match, %",
+           title="Recall tasks, tiny models (200 cases per point)")
+    ds = sorted({r["distance"] for r in rows})
+    ax.set_xticks(ds, [str(d) for d in ds])
+    ax.xaxis.set_minor_formatter(plt.NullFormatter())
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
 def main():
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     os.makedirs(FIGURES, exist_ok=True)
     rows = []
-    for name, fn in (("prefill", plot_prefill), ("requests", plot_requests), ("decode", plot_decode)):
+    for name, fn in (("prefill", plot_prefill), ("requests", plot_requests), ("decode", plot_decode),
+                     ("recall", plot_recall)):
         path = os.path.join(FIGURES, f"{name}.png")
         fn(plt).savefig(path, dpi=110)
         rows.append(dict(figure=os.path.relpath(path, ROOT)))

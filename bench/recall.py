@@ -2,7 +2,9 @@
 under greedy decoding, binned by the distance from the fact to the question, for every mode and the
 training-free baseline (bench.quality.SYSTEMS), the sparse modes decoding through the offload engine
 (hit rate beside it); and, for the modes with selection, where the fact's block stands when the
-answer's first token is predicted: in the window (forced), picked by Q, in E's core, or not selected."""
+answer's first token is predicted: in the window (forced), picked by Q, in E's core, or not selected;
+beside it how much of the model's own dense attention falls on the fact's block there, and for the
+modes with an eviction head how c and E rank the fact (eviction_at_the_question)."""
 import numpy as np
 import torch
 
@@ -20,6 +22,14 @@ def cases(tok, filler, distances, n, length, seed=0):
     rng = np.random.default_rng(seed)
     return {d: [tasks.make_task(tasks.KINDS[i % len(tasks.KINDS)], tok, filler, length, d, rng) for i in range(n)]
             for d in distances}
+
+
+def value_at(case):
+    """Where the fact's value (the tokens the answer copies) starts: the answer's first occurrence
+    from the first fact on (the value ends the passkey's, the asked needle's and the chain's first fact)."""
+    ids, answer_at, n, fact_at = case
+    want = ids[answer_at:answer_at + n].tolist()
+    return next(j for j in range(fact_at, answer_at) if ids[j:j + n].tolist() == want)
 
 
 def held_out_tokens(ckpt, tok):
@@ -67,6 +77,53 @@ def where_the_fact_is(model, ids, t, b_fact):
     return out
 
 
+@torch.no_grad()
+def eviction_at_the_question(model, ids, t, value_at, n):
+    """The eviction head where a far block is needed: the query at position t (the question's last
+    token) over the prefix ids[:t+1], per layer and KV head, from the layer's own q, k, c; the fact's
+    value (what the answer copies) is ids[value_at:value_at+n], its block the one of its first token.
+    Returns {layer: dict} of: c_fact_z, how far c on the value's tokens stands above c on the rest of
+    the prefix (in standard deviations of c); E_rank_fact, the value's block's place among the
+    candidate blocks by E (1 = no candidate above it, 0 = all); dense_fact, the share of the query's
+    dense attention mass over the candidates that falls on the blocks the value spans (what a core
+    would have to keep); and bench eviction's shares at this one position (the core by E, by recency, at random)."""
+    from bench.eviction import layer_shares
+    cfg, dev = model.cfg, model.embed_tokens.weight.device
+    idx = torch.tensor(ids[:t + 1], device=dev)[None]
+    x = model.embed_tokens(idx)
+    rope = model.rope(torch.arange(t + 1, device=dev)[None], x.dtype)
+    nb, q_blk, b_fact = pooling.n_blocks(t + 1, cfg), t // cfg.B, value_at // cfg.B
+    b = torch.arange(nb, device=dev)
+    cand = (b >= cfg.n_sink) & (b < q_blk - cfg.n_win)
+    fact = torch.zeros(t + 1, dtype=torch.bool, device=dev)
+    fact[value_at:value_at + n] = True
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for i, layer in enumerate(model.layers):
+        q, k, _, c = layer.self_attn.qkvc(layer.input_layernorm(x), rope)
+        row = dict(zip(("share_E", "share_recency", "share_random"), layer_shares(q, k, c, cfg, t, g)))
+        if c is not None and cand[b_fact]:
+            cf = c[0].float()  # (H_kv, t+1)
+            row["c_fact_z"] = ((cf[:, fact].mean(-1) - cf[:, ~fact].mean(-1)) / cf[:, ~fact].std(-1)).mean().item()
+            E = eviction.eviction_block_scores(pooling.pool_mean(c, cfg), nb, cfg)[0]  # (H_kv, nb)
+            below = ((E <= E[:, b_fact:b_fact + 1]) & cand).sum(-1).float() - 1  # the others at or below it
+            row["E_rank_fact"] = (below / max(int(cand.sum()) - 1, 1)).mean().item()
+        if cand[b_fact]:
+            import math
+            H_q, d = q.shape[1], q.shape[-1]
+            lg = torch.einsum("hgd,hsd->hgs", q[0, :, -1].view(cfg.H_kv, H_q // cfg.H_kv, d).float(),
+                              k[0].float()) / math.sqrt(d)
+            if c is not None:
+                lg = lg + eviction.attention_bias(c[0].float(), cfg.attn)[:, None, :]
+            p = torch.softmax(lg, -1).mean(1)  # (H_kv, t+1)
+            mass = torch.nn.functional.pad(p, (0, nb * cfg.B - t - 1)).view(cfg.H_kv, nb, cfg.B).sum(-1)
+            held = cand & (b >= b_fact) & (b <= (value_at + n - 1) // cfg.B)  # the blocks the value spans
+            row["dense_fact"] = ((mass * held).sum(-1) / (mass * cand).sum(-1)).mean().item()
+        out[i] = row
+        x = layer(x, rope)
+    return out
+
+
 def bench_recall(ckpts, systems=tuple(SYSTEMS), distances=(128, 256, 512, 1024, 2048, 4096), n=200, seed=0,
                  where_cases=20):
     """Accuracy per distance bin and system; the fact's standing for `where_cases` cases per bin."""
@@ -99,10 +156,15 @@ def bench_recall(ckpts, systems=tuple(SYSTEMS), distances=(128, 256, 512, 1024, 
             if cfg.sparse:
                 s = cache.stats
                 row["hit_rate"] = round(1 - s.moved.sum().item() / max(s.needed.sum().item(), 1), 3)
-                where = [w for c in cs[:where_cases]  # the block of the fact's first token
-                         for w in where_the_fact_is(model, c[0].tolist(), c[1] - 1, c[3] // cfg.B)]
+                where = [w for c in cs[:where_cases]  # the block of the value's first token
+                         for w in where_the_fact_is(model, c[0].tolist(), c[1] - 1, value_at(c) // cfg.B)]
                 for kind in ("forced", "Q", "E", "none"):
                     row[f"fact_{kind}"] = round(where.count(kind) / len(where), 3)
+            ev = [r for c in cs[:where_cases] for r in eviction_at_the_question(
+                model, c[0].tolist(), c[1] - 1, value_at(c), c[2]).values()]
+            for key in ("dense_fact", "c_fact_z", "E_rank_fact"):  # means over cases, layers and KV heads
+                if any(key in r for r in ev):
+                    row[key] = round(float(np.mean([r[key] for r in ev if key in r])), 3)
             rows.append(row)
             print(row, flush=True)
     return rows

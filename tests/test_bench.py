@@ -47,6 +47,37 @@ def test_eviction_diagnostic_finds_planted_blocks():
     assert by_e > 0.99 and by_recency < 0.2 and at_random < 0.5
 
 
+def test_eviction_at_the_question_finds_a_planted_fact(monkeypatch):
+    """bench recall's view of the eviction head: where c is large on the fact's tokens (planted), c
+    stands far above the rest, E ranks the fact's block first and the dense attention goes there;
+    with the model's own c the same measures are ordinary values."""
+    import numpy as np
+
+    import checkpoint
+    import eviction
+    import tasks
+    from bench.recall import eviction_at_the_question, value_at
+    model, tok = checkpoint.load(checkpoint.DEFAULT_CHECKPOINT)
+    filler = np.array(tok.encode(open(tasks.__file__).read() * 20).ids)
+    case = tasks.make_task("passkey", tok, filler, 500, 400, np.random.default_rng(0))
+    ids, at, n, fact_at = case
+    v = value_at(case)
+    assert fact_at < v < at and ids[v:v + n].tolist() == ids[at:].tolist()
+    with torch.no_grad():
+        own = eviction_at_the_question(model, ids.tolist(), at - 1, v, n)
+    assert all(0 <= r["E_rank_fact"] <= 1 and 0 <= r["dense_fact"] <= 1 for r in own.values())
+    score = eviction.eviction_score
+
+    def planted(values, A, W):
+        c = torch.zeros_like(score(values, A, W))
+        c[..., v:v + n] = 30.0  # as a bias inside the softmax it outweighs any logit of the model
+        return c
+    monkeypatch.setattr(eviction, "eviction_score", planted)
+    with torch.no_grad():
+        rows = eviction_at_the_question(model, ids.tolist(), at - 1, v, n)
+    assert all(r["c_fact_z"] > 3 and r["E_rank_fact"] == 1 and r["dense_fact"] > 0.9 for r in rows.values()), rows
+
+
 def test_quality_bench_on_the_embedded_model(tmp_path):
     """python -m bench quality, small: the embedded model's loss is a trained model's, its generation
     through the offload engine keeps the theorem's hit rate, and bad arguments fail before any work."""
@@ -111,3 +142,4 @@ def test_recall_bench_on_the_embedded_model(tmp_path):
         assert sum(r[f"fact_{k}"] for k in ("forced", "Q", "E", "none")) == pytest.approx(1, abs=0.01)
     assert rows[0]["fact_forced"] == 1  # at 100 tokens every block is selected (k·B = 256)
     assert rows[1]["fact_forced"] < 1  # at 400 the fact lies past the window
+    assert 0 <= rows[1]["dense_fact"] <= 1 and 0 <= rows[1]["E_rank_fact"] <= 1
