@@ -33,7 +33,6 @@ from torch.nn.attention.bias import causal_lower_right
 
 from common import fp32
 
-
 # -----------------------------------------------------------------------------
 # torch twins
 

@@ -147,7 +147,8 @@ def rope_from_hf(hf):
     lacking = [key for key in need[kind] if key not in params]
     if lacking:
         raise ValueError(f"RoPE scaling {kind!r} lacks {', '.join(lacking)}")
-    return theta, (None if kind == "default" else {"rope_type": kind, **{key: float(params[key]) for key in need[kind]}})
+    scaling = {"rope_type": kind, **{key: float(params[key]) for key in need[kind]}}
+    return theta, (None if kind == "default" else scaling)
 
 
 def config_from_hf(hf, **overrides):

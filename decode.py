@@ -24,7 +24,6 @@ import attention
 import fast
 from common import fp32, gp, n_sm
 
-
 # -----------------------------------------------------------------------------
 # torch twins
 

@@ -352,8 +352,9 @@ def cli(argv=None):
                    help="GPU memory for weights, cache and activations (default: what is free)")
     p.add_argument("--host-budget", type=float, metavar="GiB",
                    help="host memory for the offloaded KV store (default: what the OS reports available)")
-    p.add_argument("--random", metavar="PRESET", help="no checkpoint: a randomly initialised model of this preset "
-                                                      f"({', '.join(sorted(config.PRESETS))}), to try budgets and speed")
+    p.add_argument("--random", metavar="PRESET",
+                   help="no checkpoint: a randomly initialised model of this preset "
+                        f"({', '.join(sorted(config.PRESETS))}), to try budgets and speed")
     p.add_argument("--prompt-len", type=int, metavar="N", help="repeat each prompt's tokens to N tokens")
     p.add_argument("--chunk", type=int, help="prefill chunk in tokens (default: the largest the budget allows)")
     a = p.parse_args(argv)

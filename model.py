@@ -21,6 +21,7 @@ import nosa
 from common import fp32
 from kvcache import PromptLayer, ResidualStream
 
+
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
         super().__init__()
@@ -44,7 +45,8 @@ def rope_frequencies(cfg, device):
         return inv_freq
     if rs["rope_type"] == "linear":
         return inv_freq / rs["factor"]
-    factor, lo, hi, old = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"], rs["original_max_position_embeddings"]
+    factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+    old = rs["original_max_position_embeddings"]
     wavelen = 2 * torch.pi / inv_freq
     smooth = ((old / wavelen - lo) / (hi - lo)).clamp(0, 1)  # 0: long wavelengths, 1: short ones
     return (1 - smooth) * inv_freq / factor + smooth * inv_freq

@@ -197,10 +197,11 @@ PREFILL_CHUNKS = (8192, 4096, 2048, 1024, 512, 256)  # the chunk sizes a prefill
 def prefill_bytes(cfg, T, C, dtype, stream_on_host=False):
     """GPU bytes a chunked prefill of a T-token prompt needs beyond the weights and the cache
     (model.Transformer.prefill), C tokens a chunk: the prompt's residual stream (T, dim), or the next
-    chunk of it when it is kept in host memory, one layer's K, V, c and pooled caches and a copy of them (the attention kernel
-    reads the keys so far contiguous; the cache's prefill stacks K and V), and the largest of one
-    chunk's activations: RoPE in fp32, scoring and selection (nosa.SELECT_ROWS queries at a time,
-    over nb blocks; the selection kept as tiles), the MLP. A bound checked against the measured peak on the GPU."""
+    chunk of it when it is kept in host memory, one layer's K, V, c and pooled caches and a copy of
+    them (the attention kernel reads the keys so far contiguous; the cache's prefill stacks K and V),
+    and the largest of one chunk's activations: RoPE in fp32, scoring and selection (nosa.SELECT_ROWS
+    queries at a time, over nb blocks; the selection kept as tiles), the MLP. A bound checked against
+    the measured peak on the GPU."""
     H, H_q, d, dim = cfg.H_kv, cfg.H_q, cfg.head_dim, cfg.dim
     elt, C = torch.empty((), dtype=dtype).element_size(), min(C, T)
     nb = math.ceil(T / cfg.B)
@@ -413,7 +414,8 @@ class OffloadCache(Cache):
         cfg, pos = self.cfg, self.len
         max_pos = int(self.len_cpu.max())
         if self.part and max_pos >= self.max_len:
-            raise ValueError(f"position {max_pos} is past the max_len={self.max_len} a micro-batch (split) was made for: "
+            raise ValueError(f"position {max_pos} is past the max_len={self.max_len} a micro-batch (split) was made "
+                             "for: "
                              f"its buffers are views and cannot grow; size max_len to the whole job")
         self._ensure_blocks(layer, max_pos // cfg.B + 1)
         if c is not None:

@@ -109,7 +109,8 @@ def _qscore_kernel(Q, KS, QPOS, OWN, LAST, scale, T, M, NB,
     t, g = tile * BT + r // GP, r % GP  # row = (token, head of the group)
     row_ok = (t < T) & (g < G)
     offs_d = tl.arange(0, D)
-    q = tl.load(Q + ((b * H_kv * G + h * G + g) * T + t)[:, None] * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    rows = (b * H_kv * G + h * G + g) * T + t  # (batch, head, token) of q
+    q = tl.load(Q + rows[:, None] * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     pos = tl.load(QPOS + b * T + t, mask=row_ok, other=-1)
     scale2 = scale * 1.4426950408889634  # log2 e: exp(x) = exp2(x log2 e)
     p_last = tl.max(pos, 0) + 1  # tokens the tile's last query sees: sub-blocks from M_VIS on are hidden from all

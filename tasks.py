@@ -42,7 +42,8 @@ def task_pieces(kind, rng):
         values = [int(v) for v in rng.integers(10, 1000, size=4)]
         asked = int(rng.integers(0, 4))
         order = [asked] + [i for i in range(4) if i != asked]  # the asked fact first: the farthest back
-        return [f"\nassert {keys[i]} == {values[i]}\n" for i in order], f"\nassert {keys[asked]} ==", f" {values[asked]}\n"
+        facts = [f"\nassert {keys[i]} == {values[i]}\n" for i in order]
+        return facts, f"\nassert {keys[asked]} ==", f" {values[asked]}\n"
     if kind == "chain":
         a, b, c = (f"{x}{rng.integers(0, 100)}" for x in rng.choice(list("uvwxyz"), size=3, replace=False))
         value = int(rng.integers(0, 100))

@@ -305,7 +305,8 @@ def main(preset="tiny", attn="nosa", out=None, data=None, data_dir=None, steps=1
             print(f"resumed from {out} at step {step}")
     raw = model
     if ddp:
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        ids = [device.index] if device.type == "cuda" else None
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
 
     n_params = sum(p.numel() for p in raw.parameters())
     if master:
@@ -376,7 +377,8 @@ def parse_overrides(items):
         try:
             out[key] = val.lower() in ("1", "true", "yes") if typ is bool else typ(val)
         except ValueError:
-            raise ValueError(f"--set {item}: {key} takes {dict(int='an integer', float='a number')[typ.__name__]}") from None
+            kind = dict(int="an integer", float="a number")[typ.__name__]
+            raise ValueError(f"--set {item}: {key} takes {kind}") from None
     return out
 
 

@@ -39,7 +39,8 @@ def set_difference_torch(need, slot_block, block_slot, fetch):
     miss = (need >= 0) & ~resident.gather(1, pad(need, cap))  # (R, n)
     free_first = torch.sort((slot_block >= 0).to(torch.uint8), dim=1, stable=True).indices  # (R, k)
     slot = torch.where(miss, free_first.gather(1, (miss.cumsum(1) - 1).clamp(min=0)), k)  # (R, n), k = spare
-    new = torch.full((R, k + 1), -1, dtype=need.dtype, device=need.device).scatter_(1, slot, torch.where(miss, need, -1))
+    new = torch.full((R, k + 1), -1, dtype=need.dtype, device=need.device)
+    new = new.scatter_(1, slot, torch.where(miss, need, -1))
     fetch.copy_(new[:, :k])
     slot_block.copy_(torch.where(fetch >= 0, fetch, slot_block))
     # 3. block -> slot, rebuilt from slot -> block

@@ -52,7 +52,8 @@ if __name__ == "__main__":
                    help="which benchmark")
     p.add_argument("--json", help="also write the rows to this file")
     p.add_argument("--ckpts", default=os.path.join(checkpoint.ROOT, "out"),
-                   help="quality, throughput --trained: where train.py wrote tiny-nosa/, tiny-full/, ... (default: out/)")
+                   help="quality, throughput --trained: where train.py wrote tiny-nosa/, tiny-full/, ... "
+                        "(default: out/)")
     p.add_argument("--checkpoint", default=checkpoint.DEFAULT_CHECKPOINT,
                    help="eviction: the model to diagnose (default: the embedded one)")
     p.add_argument("--shape", default="tiny", choices=sorted(throughput_.SHAPES), help="throughput: model shape")

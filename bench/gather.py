@@ -67,7 +67,8 @@ def bench_gather(store_gib=4.0, moved_mib=64, k=64):
             host, pool, fetches[next(it) % 4], n), 20) for n in (16, 32, 64, 132)] if ext else []
         for name, fn, reps in (("contiguous pinned copy", contiguous_copy, 20), ("UVA gather kernel", uva, 20), *fewer,
                                ("UVA gather, Triton (no nvcc)", uva_triton, 20),
-                               ("index_select + copy", index_select_copy, 5), ("one memcpy per block", memcpy_per_block, 3)):
+                               ("index_select + copy", index_select_copy, 5),
+                               ("one memcpy per block", memcpy_per_block, 3)):
             t = t_contig if fn is contiguous_copy else wall(fn, reps=reps, warmup=1)
             gbs = nbytes / t / 1e9
             rows.append(dict(unit_kib=unit_kib, blocks=R * k, variant=name, gb_s=round(gbs, 2),

@@ -38,6 +38,7 @@ def held_out_tokens(ckpt, tok):
     files of this machine's standard library."""
     import json
     import os
+
     import train
     state = json.load(open(os.path.join(ckpt, "train_state.json")))
     path = os.path.join(checkpoint.ROOT, "data", f"{state.get('corpus')}-{tok.get_vocab_size()}", "val.bin")

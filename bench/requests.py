@@ -4,12 +4,12 @@ prefilled one prompt at a time, then decodes; the next batch waits). Reported pe
 first token, prefill and decode speed, the whole run's time and its output tokens/s.
 
 What is timed, on random weights: one P-token prefill through model.prefill at the chunk the plan
-chooses (after an untimed one, which compiles the kernels), with the decode cache of the whole batch allocated beside it (its peak memory beyond the
-weights and the cache is reported), and graphed decode steps of the whole batch at context P (the
-other rows filled with random K, V and c). The N requests are then composed from those two times:
-every prefill of a shape costs the same, and a step at context P is no slower than the steps after
-it for the sparse systems and faster for full attention, whose reads grow with the context, so the
-composition favours the baseline."""
+chooses (after an untimed one, which compiles the kernels), with the decode cache of the whole batch
+allocated beside it (its peak memory beyond the weights and the cache is reported), and graphed
+decode steps of the whole batch at context P (the other rows filled with random K, V and c). The N
+requests are then composed from those two times: every prefill of a shape costs the same, and a
+step at context P is no slower than the steps after it for the sparse systems and faster for full
+attention, whose reads grow with the context, so the composition favours the baseline."""
 import statistics
 import time
 

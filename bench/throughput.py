@@ -146,7 +146,7 @@ def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, w
             else:
                 fill_random(cache, cfg, Bz, prompt_len, dev, dtype)
             tok_ = torch.randint(0, cfg.vocab_size, (Bz,), device=dev)
-            step = lambda t: model.decode(t, cache).argmax(-1)
+            step = lambda t: fast.decode(model, t, cache).argmax(-1)  # the eager step
             for _ in range(2):  # the first step after prefill gathers whole selections; first calls compile
                 tok_ = step(tok_)
 
@@ -205,7 +205,7 @@ def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, w
         if cuda:
             row.update(hbm_gb_s=round(hbm, 1), pcie_contiguous_gb_s=round(pcie, 1))
         print(row, flush=True)
-        del cache, model, graphed
+        cache = model = graphed = None  # freed before the next system's
         if cuda:
             torch.cuda.empty_cache()
             getattr(torch._C, "_host_emptyCache", lambda: None)()  # hand the pinned store back before the next one

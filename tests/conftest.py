@@ -10,10 +10,9 @@ if not torch.cuda.is_available():
 torch.set_num_threads(max(1, os.cpu_count() or 1))
 
 import fast  # noqa: E402 (after TRITON_INTERPRET)
+from config import Config  # noqa: E402
 from kvcache import KVCache  # noqa: E402
 from model import Transformer  # noqa: E402
-from config import Config  # noqa: E402
-
 
 
 @pytest.fixture(autouse=True)

@@ -32,7 +32,8 @@ def write_hf_checkpoint(path, hf_config=HF_CONFIG, drop=None, add=None, reshape=
     for m in model.modules():
         if hasattr(m, "A"):
             torch.nn.init.normal_(m.A)
-    sd = {("" if k.startswith("lm_head") else "model.") + k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+    sd = {("" if k.startswith("lm_head") else "model.") + k: v.to(torch.bfloat16)
+          for k, v in model.state_dict().items()}
     if drop:
         sd.pop(drop)
     if add:
@@ -87,10 +88,12 @@ def test_hf_checkpoint_generates_same_logits_as_direct_model(tmp_path):
 
 @pytest.mark.parametrize("kind, kw, msg", [
     ("missing", dict(drop="model.layers.1.self_attn.A"), "missing tensor layers.1.self_attn.A"),
-    ("unexpected", dict(add="model.layers.0.self_attn.rotary_emb.inv_freq"), "unexpected tensor layers.0.self_attn.rotary_emb"),
+    ("unexpected", dict(add="model.layers.0.self_attn.rotary_emb.inv_freq"),
+     "unexpected tensor layers.0.self_attn.rotary_emb"),
     ("shape", dict(reshape="model.norm.weight"), r"norm.weight has shape \(5, 5\)"),
     ("rope", dict(hf_config={**HF_CONFIG, "rope_scaling": {"rope_type": "yarn", "factor": 8.0}}), "rope_type='yarn'"),
-    ("rope_new", dict(hf_config={**HF_CONFIG, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}), "'dynamic'"),
+    ("rope_new", dict(hf_config={**HF_CONFIG, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}),
+     "'dynamic'"),
     ("llama3_lacks", dict(hf_config={**HF_CONFIG, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}),
      "lacks low_freq_factor"),
     ("bias", dict(hf_config={**HF_CONFIG, "attention_bias": True}), "attention_bias=True"),
@@ -144,7 +147,8 @@ def test_scaled_rope_against_its_formula(scaling):
             want = base / scaling["factor"]
         else:
             wavelen = 2 * math.pi / base
-            old, lo, hi = scaling["original_max_position_embeddings"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+            old = scaling["original_max_position_embeddings"]
+            lo, hi = scaling["low_freq_factor"], scaling["high_freq_factor"]
             if wavelen < old / hi:
                 want = base
             elif wavelen > old / lo:
@@ -167,7 +171,8 @@ def test_scaled_rope_against_its_formula(scaling):
 
 def test_hf_checkpoint_with_llama3_rope_decodes_like_its_parallel_forward(tmp_path):
     path = str(tmp_path / "llama3")
-    write_hf_checkpoint(path, hf_config={**HF_CONFIG, "rope_scaling": None, "rope_parameters": {"rope_theta": 5e5, **LLAMA3}})
+    write_hf_checkpoint(path, hf_config={**HF_CONFIG, "rope_scaling": None,
+                                         "rope_parameters": {"rope_theta": 5e5, **LLAMA3}})
     model, _ = checkpoint.load(path, dtype=torch.float64, **SMALL_NOSA)
     assert model.cfg.rope_scaling["rope_type"] == "llama3"
     idx = torch.randint(0, 300, (1, 150))

@@ -170,7 +170,8 @@ def test_prefill_and_decode_stay_within_the_memory_model():
         torch.cuda.synchronize()
         used = torch.cuda.max_memory_allocated() - base
         model_bytes = offload.prefill_bytes(cfg, P, C, torch.bfloat16, on_host)
-        print(f"prefill, stream on host {on_host}: {used / 2**20:.0f} MiB measured, {model_bytes / 2**20:.0f} MiB modelled")
+        print(f"prefill, stream on host {on_host}: {used / 2**20:.0f} MiB measured, "
+              f"{model_bytes / 2**20:.0f} MiB modelled")
         assert used <= model_bytes and used >= model_bytes / 4, on_host
     step = fast.GraphedDecode(model, cache, 1)
     tok = torch.zeros(2, dtype=torch.long, device="cuda")

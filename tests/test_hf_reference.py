@@ -18,8 +18,8 @@ transformers = pytest.importorskip("transformers")
 def test_logits_equal_transformers_llama(tmp_path, rope):
     write_hf_checkpoint(str(tmp_path / "tok"))  # for its tokenizer.json
     cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
-                                   rms_norm_eps=1e-5, rope_parameters=rope)
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   max_position_embeddings=4096, rms_norm_eps=1e-5, rope_parameters=rope)
     torch.manual_seed(0)
     ref = transformers.LlamaForCausalLM(cfg).float().eval()
     path = tmp_path / "llama"

@@ -54,7 +54,7 @@ def test_prepared_decode_equals_parallel(tmp_path):
         assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
         for i, (P, got) in enumerate(zip([3, 50], decode_logits(model, idx, [3, 50]))):
             torch.testing.assert_close(got, ref[i, P - 1:P - 1 + got.shape[0]], rtol=0, atol=1e-9)
-        checkpoint.save(model, checkpoint.byte_tokenizer(), str(tmp_path / "ck"))  # views: saved as tensors of their own
+        checkpoint.save(model, checkpoint.byte_tokenizer(), str(tmp_path / "ck"))  # views: saved as tensors
         loaded, _ = checkpoint.load(str(tmp_path / "ck"))
         assert all(torch.equal(before[k], v) for k, v in loaded.state_dict().items())
         model.to(torch.float32)
@@ -68,6 +68,7 @@ def test_prepared_model_is_freed_when_dropped():
     next garbage collection (a benchmark that builds one 8B model after another needs that)."""
     import gc
     import weakref
+
     from fast import prepare
     model = prepare(make_model("nosa", torch.float32))
     gone = weakref.ref(model.layers[0])
@@ -119,7 +120,8 @@ def test_gradcheck_attention_and_eviction_head():
     pos = torch.arange(T)[None]
     args = [torch.randn(1, 4, T, 4), torch.randn(1, 2, T, 4), torch.randn(1, 2, T, 4), torch.randn(1, 2, T)]
     args = [a.double().requires_grad_() for a in args]
-    assert torch.autograd.gradcheck(lambda q, k, v, c: attention.sparse_attention_torch(q, k, v, c, mask, pos, cfg.B), args)
+    f = lambda q, k, v, c: attention.sparse_attention_torch(q, k, v, c, mask, pos, cfg.B)
+    assert torch.autograd.gradcheck(f, args)
     v = torch.randn(1, 2, T, 4, dtype=torch.float64, requires_grad=True)
     A = torch.randn(2, dtype=torch.float64, requires_grad=True)
     W = torch.randn(2, 8, dtype=torch.float64, requires_grad=True)

@@ -90,7 +90,8 @@ def test_ddp_two_processes_on_cpu(corpus, tmp_path):
             dict(data=corpus, data_dir=str(tmp_path / "data"), out=out, steps=3, eval_every=3, seq_len=64,
                  batch_size=2, warmup=1, device="cpu").items()]
     args += [f"--set={k}={v}" for k, v in small.items()]
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py"] + args,
+    ddp = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py"]
+    r = subprocess.run(ddp + args,
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, f"stdout: {r.stdout[-3000:]}\nstderr (both ranks): {r.stderr[-8000:]}"
     assert "x 4 x 64 tokens" in r.stdout  # 2 processes x batch 2
@@ -304,7 +305,7 @@ def test_checks_before_work_and_one_line_errors(corpus, tmp_path, monkeypatch, c
     assert e.value.code == 130 and err.count("\n") == 1, err
     assert f"training stopped at step 3; the last checkpoint, step 2, is in {out}: --resume continues it" in err
     monkeypatch.setattr(train, "get_batch", real)
-    with pytest.raises(FileNotFoundError, match="train the model to start from first, e.g. `python train.py --attn full"):
+    with pytest.raises(FileNotFoundError, match="train the model to start from first, e.g. `python train.py --attn"):
         train.main(out=str(tmp_path / "n"), init_from=str(tmp_path / "no-full"), data=corpus, **run, **small)
     with pytest.raises(ValueError, match="--set dim=32: --init-from keeps the shape"):
         train.main(out=str(tmp_path / "n"), init_from=out, data=corpus, data_dir=str(tmp_path / "data"),
@@ -338,6 +339,7 @@ def test_recall_tasks(corpus, tmp_path):
     ends with the answer, the same for the same seed; training mixes them in (--tasks) and resumes
     exactly."""
     import numpy as np
+
     import tasks
     tok = checkpoint.load(checkpoint.DEFAULT_CHECKPOINT)[1]
     filler = np.array(tok.encode(open(os.path.join(corpus, "argparse.py")).read()).ids)
