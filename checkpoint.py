@@ -261,7 +261,6 @@ def load(path, device="cpu", dtype=None, **overrides):
         raise ValueError(f"{os.path.join(path, 'tokenizer.json')} is not a valid tokenizer ({e})") from None
     # end-of-sequence ids (config.json, generation_config.json: one id or a list), the chat template and
     # the special tokens it refers to (tokenizer_config.json), where the checkpoint has them
-    model.eos_ids = set()
     for cfg_file in ("config.json", "generation_config.json"):
         extra = read_json(path, cfg_file)
         ids = extra.get("eos_token_id")

@@ -156,6 +156,9 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.apply(self._init_weights)
         self.inv_freq = None  # RoPE frequencies, made once on the device of the first call
+        # how its checkpoint says to generate (checkpoint.load fills them): tokens that end a sequence,
+        # the chat template and the special tokens it refers to
+        self.eos_ids, self.chat_template, self.special_tokens = set(), None, {}
 
     def rope(self, pos, dtype):
         if self.inv_freq is None or self.inv_freq.device != pos.device:
