@@ -125,6 +125,40 @@ def eviction_at_the_question(model, ids, t, value_at, n):
     return out
 
 
+def gradient_on_the_value(model, case, offset=None):
+    """What the eviction head hears of a fact in training: the answer's loss (teacher-forced, through
+    the parallel forward) differentiated by every layer's eviction scores c. Returns (on_value,
+    elsewhere): the mean of -dL/dc over the value's tokens (> 0: a larger c there would lower the
+    loss), and the mean of |dL/dc| over the other tokens before the question; over layers and KV
+    heads. offset: add this to c on the value's tokens first, and return the loss instead (tests)."""
+    import torch.nn.functional as F
+    ids, at, n, _ = case
+    v = value_at(case)
+    cs, score = [], eviction.eviction_score
+
+    def keep(*args):  # each layer's c, kept with its gradient
+        c = score(*args)
+        if offset is not None:
+            c = c + F.pad(torch.full((n,), offset, dtype=c.dtype, device=c.device), (v, c.shape[-1] - v - n))
+        c.retain_grad()
+        cs.append(c)
+        return c
+    eviction.eviction_score = keep
+    try:
+        with torch.enable_grad():
+            x = torch.tensor(ids, device=model.embed_tokens.weight.device)[None]
+            logits = model(x)[0, at - 1:at + n - 1]
+            loss = F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), x[0, at:at + n])
+            if offset is not None:
+                return loss.item()
+            loss.backward()
+    finally:
+        eviction.eviction_score = score
+        model.zero_grad(set_to_none=True)
+    g = -torch.stack([c.grad[0] for c in cs])  # (layers, H_kv, T)
+    return g[..., v:v + n].mean().item(), torch.cat([g[..., :v], g[..., v + n:at]], -1).abs().mean().item()
+
+
 def bench_recall(ckpts, systems=tuple(SYSTEMS), distances=(128, 256, 512, 1024, 2048, 4032), n=200, seed=0,
                  where_cases=20):
     """Accuracy per distance bin and system; the fact's standing for `where_cases` cases per bin. The
@@ -169,6 +203,9 @@ def bench_recall(ckpts, systems=tuple(SYSTEMS), distances=(128, 256, 512, 1024, 
             for key in ("dense_fact", "c_fact_z", "E_rank_fact"):  # means over cases, layers and KV heads
                 if any(key in r for r in ev):
                     row[key] = round(float(np.mean([r[key] for r in ev if key in r])), 3)
+            if cfg.eviction_head:
+                on, off = np.mean([gradient_on_the_value(model, c) for c in cs[:where_cases]], 0)
+                row.update(dLdc_value=float(f"{on:.3g}"), dLdc_elsewhere=float(f"{off:.3g}"))
             rows.append(row)
             print(row, flush=True)
     return rows

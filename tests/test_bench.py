@@ -78,6 +78,29 @@ def test_eviction_at_the_question_finds_a_planted_fact(monkeypatch):
     assert all(r["c_fact_z"] > 3 and r["E_rank_fact"] == 1 and r["dense_fact"] > 0.9 for r in rows.values()), rows
 
 
+def test_gradient_on_the_value_is_the_loss_derivative():
+    """bench recall's gradient of the answer's loss by c on the fact's value: a finite difference of
+    the loss, with c moved by ±eps on the value's tokens of every layer and head, agrees (fp64). The
+    task is shorter than k·B, so every block is selected and c acts through the bias alone (the
+    selection by E has no gradient, which is the point of the measure)."""
+    import numpy as np
+
+    import checkpoint
+    import tasks
+    from bench.recall import gradient_on_the_value, value_at
+    model, tok = checkpoint.load(checkpoint.DEFAULT_CHECKPOINT)
+    model = model.double()
+    filler = np.array(tok.encode(open(tasks.__file__).read() * 20).ids)
+    case = tasks.make_task("passkey", tok, filler, 240, 200, np.random.default_rng(1))
+    ids, at, n, _ = case
+    on, elsewhere = gradient_on_the_value(model, case)
+    eps = 1e-4
+    slope = (gradient_on_the_value(model, case, eps) - gradient_on_the_value(model, case, -eps)) / (2 * eps)
+    entries = n * model.cfg.n_layer * model.cfg.H_kv  # on is a mean of -dL/dc over these
+    assert value_at(case) > case[3] and elsewhere > 0
+    assert slope == pytest.approx(-on * entries, rel=1e-4, abs=1e-9)
+
+
 def test_quality_bench_on_the_embedded_model(tmp_path):
     """python -m bench quality, small: the embedded model's loss is a trained model's, its generation
     through the offload engine keeps the theorem's hit rate, and bad arguments fail before any work."""
