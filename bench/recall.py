@@ -5,8 +5,11 @@ training-free baseline (bench.quality.SYSTEMS), the sparse modes decoding throug
 answer's first token is predicted: in the window (forced), picked by Q, in E's core, or not selected;
 beside it how much of the model's own dense attention falls on the fact's block there, and for the
 modes with an eviction head how c and E rank the fact (eviction_at_the_question)."""
+import math
+
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 import checkpoint
 import eviction
@@ -79,10 +82,10 @@ def where_the_fact_is(model, ids, t, b_fact):
 
 
 @torch.no_grad()
-def eviction_at_the_question(model, ids, t, value_at, n):
+def eviction_at_the_question(model, ids, t, v, n):
     """The eviction head where a far block is needed: the query at position t (the question's last
     token) over the prefix ids[:t+1], per layer and KV head, from the layer's own q, k, c; the fact's
-    value (what the answer copies) is ids[value_at:value_at+n], its block the one of its first token.
+    value (what the answer copies) is ids[v:v+n], its block the one of its first token.
     Returns {layer: dict} of: c_fact_z, how far c on the value's tokens stands above c on the rest of
     the prefix (in standard deviations of c); E_rank_fact, the value's block's place among the
     candidate blocks by E (1 = no candidate above it, 0 = all); dense_fact, the share of the query's
@@ -93,11 +96,11 @@ def eviction_at_the_question(model, ids, t, value_at, n):
     idx = torch.tensor(ids[:t + 1], device=dev)[None]
     x = model.embed_tokens(idx)
     rope = model.rope(torch.arange(t + 1, device=dev)[None], x.dtype)
-    nb, q_blk, b_fact = pooling.n_blocks(t + 1, cfg), t // cfg.B, value_at // cfg.B
+    nb, q_blk, b_fact = pooling.n_blocks(t + 1, cfg), t // cfg.B, v // cfg.B
     b = torch.arange(nb, device=dev)
     cand = (b >= cfg.n_sink) & (b < q_blk - cfg.n_win)
-    fact = torch.zeros(t + 1, dtype=torch.bool, device=dev)
-    fact[value_at:value_at + n] = True
+    value = torch.zeros(t + 1, dtype=torch.bool, device=dev)
+    value[v:v + n] = True
     g = torch.Generator().manual_seed(0)
     out = {}
     for i, layer in enumerate(model.layers):
@@ -105,20 +108,20 @@ def eviction_at_the_question(model, ids, t, value_at, n):
         row = dict(zip(("share_E", "share_recency", "share_random"), layer_shares(q, k, c, cfg, t, g)))
         if c is not None and cand[b_fact]:
             cf = c[0].float()  # (H_kv, t+1)
-            row["c_fact_z"] = ((cf[:, fact].mean(-1) - cf[:, ~fact].mean(-1)) / cf[:, ~fact].std(-1)).mean().item()
+            rest = cf[:, ~value]
+            row["c_fact_z"] = ((cf[:, value].mean(-1) - rest.mean(-1)) / rest.std(-1)).mean().item()
             E = eviction.eviction_block_scores(pooling.pool_mean(c, cfg), nb, cfg)[0]  # (H_kv, nb)
             below = ((E <= E[:, b_fact:b_fact + 1]) & cand).sum(-1).float() - 1  # the others at or below it
             row["E_rank_fact"] = (below / max(int(cand.sum()) - 1, 1)).mean().item()
         if cand[b_fact]:
-            import math
             H_q, d = q.shape[1], q.shape[-1]
             lg = torch.einsum("hgd,hsd->hgs", q[0, :, -1].view(cfg.H_kv, H_q // cfg.H_kv, d).float(),
                               k[0].float()) / math.sqrt(d)
             if c is not None:
                 lg = lg + eviction.attention_bias(c[0].float(), cfg.attn)[:, None, :]
             p = torch.softmax(lg, -1).mean(1)  # (H_kv, t+1)
-            mass = torch.nn.functional.pad(p, (0, nb * cfg.B - t - 1)).view(cfg.H_kv, nb, cfg.B).sum(-1)
-            held = cand & (b >= b_fact) & (b <= (value_at + n - 1) // cfg.B)  # the blocks the value spans
+            mass = F.pad(p, (0, nb * cfg.B - t - 1)).view(cfg.H_kv, nb, cfg.B).sum(-1)
+            held = cand & (b >= b_fact) & (b <= (v + n - 1) // cfg.B)  # the blocks the value spans
             row["dense_fact"] = ((mass * held).sum(-1) / (mass * cand).sum(-1)).mean().item()
         out[i] = row
         x = layer(x, rope)
@@ -131,7 +134,6 @@ def gradient_on_the_value(model, case, offset=None):
     elsewhere): the mean of -dL/dc over the value's tokens (> 0: a larger c there would lower the
     loss), and the mean of |dL/dc| over the other tokens before the question; over layers and KV
     heads. offset: add this to c on the value's tokens first, and return the loss instead (tests)."""
-    import torch.nn.functional as F
     ids, at, n, _ = case
     v = value_at(case)
     cs, score = [], eviction.eviction_score
