@@ -114,7 +114,7 @@ def generate(model, prompts, max_new_tokens, temperature=0.0, top_k=None, cache=
     out, done = [tok.clone()], torch.isin(tok, eos)  # (Bz,) ended
     on_token = on_token or (lambda tok: None)
     on_token(tok)
-    decode = fast.GraphedDecode(model, cache)  # model.decode as a CUDA graph, in micro-batches where it helps
+    decode = fast.GraphedDecode(model, cache)  # the decode step as a CUDA graph, in micro-batches where it helps
     for step in range(max_new_tokens - 1):
         if eos.numel() and step % 8 == 0 and bool(done.all()):  # a host sync, so only every few steps
             break

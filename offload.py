@@ -415,8 +415,7 @@ class OffloadCache(Cache):
         max_pos = int(self.len_cpu.max())
         if self.part and max_pos >= self.max_len:
             raise ValueError(f"position {max_pos} is past the max_len={self.max_len} a micro-batch (split) was made "
-                             "for: "
-                             f"its buffers are views and cannot grow; size max_len to the whole job")
+                             "for: its buffers are views and cannot grow; size max_len to the whole job")
         self._ensure_blocks(layer, max_pos // cfg.B + 1)
         if c is not None:
             self.c[layer] = grow(self.c[layer], max_pos + 1, 2)

@@ -20,28 +20,39 @@ def mass_share(mass, chosen, cand):
 
 
 @torch.no_grad()
+def block_mass(q, k, c, cfg, t0):
+    """The model's own attention of the queries t0..T-1, dense over every causal key (with its bias),
+    averaged over each KV head's group and summed per block: (H_kv, T - t0, nb). q (1, H_q, T, d),
+    k (1, H_kv, T, d) after RoPE, c (1, H_kv, T) or None."""
+    _, H_q, T, d = q.shape
+    H_kv, B = k.shape[1], cfg.B
+    qf = q[0, :, t0:].float().view(H_kv, H_q // H_kv, T - t0, d)
+    logits = torch.einsum("hgtd,hsd->hgts", qf, k[0].float()) / math.sqrt(d)
+    if c is not None:
+        logits = logits + eviction.attention_bias(c[0].float(), cfg.attn)[:, None, None, :]
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()[t0:]
+    p = torch.softmax(logits.masked_fill(~causal, float("-inf")), -1).mean(1)  # (H_kv, T', S) over the group
+    nb = pooling.n_blocks(T, cfg)
+    return torch.nn.functional.pad(p, (0, nb * B - T)).view(H_kv, T - t0, nb, B).sum(-1)
+
+
+@torch.no_grad()
 def layer_shares(q, k, c, cfg, t0, generator):
     """One layer of one sequence: q (1, H_q, T, d), k (1, H_kv, T, d) after RoPE, c (1, H_kv, T) or None.
     Returns the mean shares (by E, by recency, at random) over positions t0..T-1 and KV heads."""
-    _, H_q, T, d = q.shape
-    H_kv, B = k.shape[1], cfg.B
-    logits = torch.einsum("hgtd,hsd->hgts", q[0].view(H_kv, H_q // H_kv, T, d), k[0]) / math.sqrt(d)
-    if c is not None:
-        logits = logits + eviction.attention_bias(c[0], cfg.attn)[:, None, None, :]
-    causal = torch.ones(T, T, dtype=torch.bool).tril()
-    p = torch.softmax(logits.masked_fill(~causal, float("-inf")), -1).mean(1)  # (H_kv, T, S) over the group
-    nb = pooling.n_blocks(T, cfg)
-    mass = torch.nn.functional.pad(p, (0, nb * B - T)).view(H_kv, T, nb, B).sum(-1)[:, t0:]  # (H_kv, T', nb)
-    pos = torch.arange(t0, T)
-    b = torch.arange(nb)
-    q_blk = (pos // B)[:, None]
+    T, H_kv = q.shape[2], k.shape[1]
+    mass = block_mass(q, k, c, cfg, t0)  # (H_kv, T', nb)
+    nb, dev = mass.shape[-1], mass.device
+    pos = torch.arange(t0, T, device=dev)
+    b = torch.arange(nb, device=dev)
+    q_blk = (pos // cfg.B)[:, None]
     cand = (b >= cfg.n_sink) & (b < q_blk - cfg.n_win)  # (T', nb)
     n = cfg.n_core
-    E = (eviction.eviction_block_scores(pooling.pool_mean(c[0], cfg), nb, cfg) if c is not None
-         else torch.zeros(H_kv, nb))
+    E = (eviction.eviction_block_scores(pooling.pool_mean(c[0].float(), cfg), nb, cfg) if c is not None
+         else torch.zeros(H_kv, nb, device=dev))
     by_e = eviction.core_blocks(E[:, None, :].expand(H_kv, len(pos), nb), cand, n)
     by_recency = cand & (b >= q_blk - cfg.n_win - n)
-    noise = torch.rand(H_kv, len(pos), nb, generator=generator)
+    noise = torch.rand(H_kv, len(pos), nb, generator=generator).to(dev)  # the CPU generator: the same draw anywhere
     at_random = eviction.core_blocks(noise, cand.expand_as(noise), n)
     ok = cand.sum(-1) > n  # positions where the core is a real choice
     return [mass_share(mass, sel, cand)[:, ok].nanmean().item() for sel in (by_e, by_recency, at_random)]

@@ -5,7 +5,6 @@ training-free baseline (bench.quality.SYSTEMS), the sparse modes decoding throug
 answer's first token is predicted: in the window (forced), picked by Q, in E's core, or not selected;
 beside it how much of the model's own dense attention falls on the fact's block there, and for the
 modes with an eviction head how c and E rank the fact (eviction_at_the_question)."""
-import math
 
 import numpy as np
 import torch
@@ -91,7 +90,7 @@ def eviction_at_the_question(model, ids, t, v, n):
     candidate blocks by E (1 = no candidate above it, 0 = all); dense_fact, the share of the query's
     dense attention mass over the candidates that falls on the blocks the value spans (what a core
     would have to keep); and bench eviction's shares at this one position (the core by E, by recency, at random)."""
-    from bench.eviction import layer_shares
+    from bench.eviction import block_mass, layer_shares
     cfg, dev = model.cfg, model.embed_tokens.weight.device
     idx = torch.tensor(ids[:t + 1], device=dev)[None]
     x = model.embed_tokens(idx)
@@ -114,13 +113,7 @@ def eviction_at_the_question(model, ids, t, v, n):
             below = ((E <= E[:, b_fact:b_fact + 1]) & cand).sum(-1).float() - 1  # the others at or below it
             row["E_rank_fact"] = (below / max(int(cand.sum()) - 1, 1)).mean().item()
         if cand[b_fact]:
-            H_q, d = q.shape[1], q.shape[-1]
-            lg = torch.einsum("hgd,hsd->hgs", q[0, :, -1].view(cfg.H_kv, H_q // cfg.H_kv, d).float(),
-                              k[0].float()) / math.sqrt(d)
-            if c is not None:
-                lg = lg + eviction.attention_bias(c[0].float(), cfg.attn)[:, None, :]
-            p = torch.softmax(lg, -1).mean(1)  # (H_kv, t+1)
-            mass = F.pad(p, (0, nb * cfg.B - t - 1)).view(cfg.H_kv, nb, cfg.B).sum(-1)
+            mass = block_mass(q, k, c, cfg, t)[:, -1]  # (H_kv, nb): the question's dense attention
             held = cand & (b >= b_fact) & (b <= (v + n - 1) // cfg.B)  # the blocks the value spans
             row["dense_fact"] = ((mass * held).sum(-1) / (mass * cand).sum(-1)).mean().item()
         out[i] = row
