@@ -6,8 +6,8 @@ plain model, and everything here computes what it computes (the tests compare th
                   compiled by torch.compile into a few Triton kernels on a GPU; the torch code is its
                   own twin and runs as written elsewhere, or with NOSA_FUSE=0
   prepare         a model's q, k, v weights (and its gate, up weights) stored as one tensor each, so
-                  that decode (model.decode made fast) runs one matrix product per group, with the
-                  small operations around them fused
+                  that decode (model.decode made fast) and a prefill's blocks (block_prefill) run one
+                  matrix product per group, with the small operations around them fused
   GraphedDecode   the whole step captured as one CUDA graph and replayed; at large offloaded batches
                   in two micro-batches, one's transfers under the other's compute
 """
@@ -18,21 +18,23 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-# NOSA_FUSE=0: run fused functions op by op, as their twins; unset, prepare() compiles for long decodes only
-FUSE = os.environ.get("NOSA_FUSE", "1") != "0"
+# NOSA_FUSE=0: run fused functions op by op, as their twins; unset, prepare() compiles for long runs only:
+# FUSE for the decode step, FUSE_PREFILL for a prefill's chunks
+FUSE = FUSE_PREFILL = os.environ.get("NOSA_FUSE", "1") != "0"
 
 
-def fused(fn):
+def fused(fn, when=lambda: FUSE):
     """fn, on CUDA tensors, compiled by torch.compile into a few Triton kernels (its chains of small
     ops fused; matrix products stay cuBLAS calls), elsewhere run as written: the torch code is its own
     twin. For the decode step, whose shapes are static, so it compiles once per shape (generate.py's
-    warm-up); modules may be arguments (their weights are inputs: one compile serves every layer)."""
+    warm-up); modules may be arguments (their weights are inputs: one compile serves every layer).
+    when(): whether to compile (FUSE unless told)."""
     compiled = None
 
     @functools.wraps(fn)
     def run(*args):
         nonlocal compiled
-        if not (FUSE and next(a for a in args if hasattr(a, "is_cuda")).is_cuda):  # the first tensor's device
+        if not (when() and next(a for a in args if hasattr(a, "is_cuda")).is_cuda):  # the first tensor's device
             return fn(*args)
         if compiled is None:  # the first call compiles (before any CUDA graph capture)
             limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
@@ -53,17 +55,21 @@ def fused(fn):
 # The decode step of a block: fused projections, fused small operations
 
 
-def prepare(model, tokens=None):
+def prepare(model, tokens=None, prompt_tokens=None):
     """The model, ready for decode below (same logits as model.decode): each block's q, k, v weights
     stored as one tensor, and its gate and up weights (block.fused), so a step runs one matrix product
     for each group. The parameters keep their names and values (views of those tensors): training
     and checkpoints see no difference. Call it after .to(); a later .to() gives the parameters
     storage of their own again, and decode notices and runs the plain block step.
     tokens: how many tokens the run will decode (batch x new tokens); torch.compile costs seconds a
-    process (imports, compiles, cache reads), worth it from 2048 on. NOSA_FUSE=1/0 decides instead."""
-    global FUSE
-    if tokens is not None and "NOSA_FUSE" not in os.environ:
-        FUSE = tokens >= 2048
+    process (imports, compiles, cache reads), worth it from 2048 on. prompt_tokens: how many it will
+    prefill; the compiled chunks of a prefill (block_prefill) cost about 10 s once and save about 6 ms
+    per 1K prompt tokens at the 8b shape (H200, BENCHMARKS.md), worth it from 2M on. NOSA_FUSE=1/0
+    decides both instead."""
+    global FUSE, FUSE_PREFILL
+    if "NOSA_FUSE" not in os.environ:
+        FUSE = FUSE if tokens is None else tokens >= 2048
+        FUSE_PREFILL = FUSE_PREFILL if prompt_tokens is None else prompt_tokens >= 2**21
     for block in model.layers:
         a, m = block.self_attn, block.mlp
         w_qkv, w_gate_up = fuse_linears(a.q_proj, a.k_proj, a.v_proj), fuse_linears(m.gate_proj, m.up_proj)
@@ -117,22 +123,37 @@ def block_decode(block, x, layer, rope, cache):
     if w_qkv is None or not (is_fused(w_qkv, a.q_proj, a.k_proj, a.v_proj)
                              and is_fused(w_gate_up, m.gate_proj, m.up_proj)):
         return block.decode(x, layer, rope, cache)
-    o = a.decode(*block_in(block, x, rope, w_qkv), layer, cache)
-    return block_out(block, x, o, w_gate_up)
+    o = a.decode(*step_in(block, x, rope, w_qkv), layer, cache)
+    return step_out(block, x, o, w_gate_up)
 
 
-@fused
+def block_prefill(block, x, rope, prompt, start):
+    """model.Block.forward for one chunk of a prefill (model.Transformer.prefill's `block`), with the
+    fused weights (prepare) while they are still the parameters."""
+    a, m = block.self_attn, block.mlp
+    w_qkv, w_gate_up = getattr(block, "fused", (None, None))
+    if w_qkv is None or not (is_fused(w_qkv, a.q_proj, a.k_proj, a.v_proj)
+                             and is_fused(w_gate_up, m.gate_proj, m.up_proj)):
+        return block(x, rope, prompt, start)
+    o = a.attend(*chunk_in(block, x, rope, w_qkv), prompt, start)
+    return chunk_out(block, x, o, w_gate_up)
+
+
 def block_in(block, x, rope, w_qkv):  # input norm, projections, RoPE and eviction score
     a = block.self_attn
     sizes = [a.q_proj.out_features, a.k_proj.out_features, a.v_proj.out_features]
     return a.heads(*F.linear(block.input_layernorm(x), w_qkv).split(sizes, -1), rope)
 
 
-@fused
 def block_out(block, x, o, w_gate_up):  # output projection, residuals and MLP
     x = x + block.self_attn.o_proj(o)
     gate, up = F.linear(block.post_attention_layernorm(x), w_gate_up).chunk(2, -1)
     return x + block.mlp.down_proj(F.silu(gate) * up)
+
+
+# compiled apart: a decode step's (static shapes; for long decodes) and a prefill's chunks' (for long prefills)
+step_in, step_out = fused(block_in), fused(block_out)
+chunk_in, chunk_out = fused(block_in, lambda: FUSE_PREFILL), fused(block_out, lambda: FUSE_PREFILL)
 
 
 # -----------------------------------------------------------------------------

@@ -109,7 +109,8 @@ def generate(model, prompts, max_new_tokens, temperature=0.0, top_k=None, cache=
     tok = torch.empty(len(prompts), dtype=torch.long, device=dev)
     for i, p in enumerate(prompts):
         progress = (lambda f, i=i: on_prefill(i, f)) if on_prefill else None
-        logits = model.prefill(torch.tensor([p], device=dev), cache, i, chunk, progress, stream_on_host)  # (vocab,)
+        logits = model.prefill(torch.tensor([p], device=dev), cache, i, chunk, progress, stream_on_host,
+                               fast.block_prefill)  # (vocab,)
         tok[i] = sample(logits[None], temperature, top_k)[0]
     out, done = [tok.clone()], torch.isin(tok, eos)  # (Bz,) ended
     on_token = on_token or (lambda tok: None)
@@ -197,8 +198,8 @@ def main(checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, prompt=DEFAULT_PROMPT, ma
         device) if device.type == "cuda" else None)
     host = host_budget * 2**30 if host_budget else (nosi.host_bytes_available() if offload else None)
     chunk, on_host = nosi.plan_memory(model.cfg, weights, batch, P, max_len, dtype, gpu, host, offload, chunk)
-    fast.prepare(model, batch * max_new_tokens)  # fused projections; small ops compiled for long decodes
     ids = [ids[i % n_prompts] for i in range(batch)]  # prompts are cycled over the batch
+    fast.prepare(model, batch * max_new_tokens, sum(map(len, ids)))  # fused weights; compiled for long runs
     if offload:
         cache = nosi.OffloadCache(model.cfg, batch, device, dtype, max_len=max_len, host_budget=host)
     else:

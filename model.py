@@ -96,16 +96,19 @@ class Attention(nn.Module):
         return q, k, v, c
 
     def forward(self, x, rope, prompt=None, start=0):
-        """x (Bz, T, dim) at positions start .. start+T-1 -> (Bz, T, dim). Training: a whole sequence
-        (start = 0). A prefill's chunk: prompt (kvcache.PromptLayer) holds this layer's keys of the
-        earlier chunks and takes this one's, and the chunk attends over all of them."""
-        Bz, T, _ = x.shape
-        q, k, v, c = self.qkvc(x, rope)
+        """x (Bz, T, dim) at positions start .. start+T-1 -> (Bz, T, dim)."""
+        return self.o_proj(self.attend(*self.qkvc(x, rope), prompt, start))
+
+    def attend(self, q, k, v, c, prompt=None, start=0):
+        """The attention of q, k, v, c from qkvc, before o_proj -> (Bz, T, H_q * d). Training: a whole
+        sequence (start = 0). A prefill's chunk: prompt (kvcache.PromptLayer) holds this layer's keys of
+        the earlier chunks and takes this one's, and the chunk attends over all of them."""
+        Bz, _, T, _ = q.shape
         pooled = None
         if prompt is not None:
             k, v, c, pooled = prompt.write(start, k, v, c)
         o, _ = nosa.nosa_attention(q, k, v, c, self.cfg, start, pooled)  # (Bz, H_q, T, d)
-        return self.o_proj(o.transpose(1, 2).reshape(Bz, T, -1))
+        return o.transpose(1, 2).reshape(Bz, T, -1)
 
     def decode(self, q, k, v, c, layer, cache):
         """One token per sequence, each at its own position cache.len: q (Bz, H_q, 1, d), k, v
@@ -186,7 +189,7 @@ class Transformer(nn.Module):
         return self.lm_head(self.norm(x))
 
     @torch.no_grad()
-    def prefill(self, idx, cache, seq, chunk=None, progress=None, stream_on_host=False):
+    def prefill(self, idx, cache, seq, chunk=None, progress=None, stream_on_host=False, block=Block.__call__):
         """A prompt idx (1, T) into row `seq` of the cache -> the logits of its last position (vocab,).
 
         Layer by layer, `chunk` tokens at a time (default: all): each chunk's queries select and attend
@@ -195,7 +198,8 @@ class Transformer(nn.Module):
         memory beyond the cache is the prompt's residual stream (T, dim), one layer's K, V and c, and
         one chunk's activations (offload.prefill_bytes), never the logits of every position.
         stream_on_host: keep the residual stream in pinned host memory, a chunk at a time on the GPU
-        (for a budget where it does not fit beside the cache). progress(fraction) after each layer."""
+        (for a budget where it does not fit beside the cache). progress(fraction) after each layer.
+        block(layer, x, rope, prompt, start): a block's forward (fast.block_prefill computes the same faster)."""
         T, dev = idx.shape[1], idx.device
         self.check_length(T, 0)
         C, dtype = chunk or T, self.embed_tokens.weight.dtype
@@ -206,7 +210,7 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             for s, h in x.chunks():
                 pos = torch.arange(s, s + h.shape[1], device=dev)[None]
-                x.write(s, layer(h, self.rope(pos, dtype), prompt, s))
+                x.write(s, block(layer, h, self.rope(pos, dtype), prompt, s))
             cache.prefill(i, seq, prompt.k[0], prompt.v[0], None if prompt.c is None else prompt.c[0])
             if progress:
                 progress((i + 1) / len(self.layers))

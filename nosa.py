@@ -228,48 +228,28 @@ def _gamma(QS, IDS, OUT, q_blk, nb, NBP: tl.constexpr, N_LIST: tl.constexpr, NLP
     """Γ(t) of one row (query token, KV head) as select_blocks makes it, over the nb blocks in registers:
     QS the row's nb scores Q, IDS its list of the best candidates by E (N_LIST, best first), q_blk the
     query's block; writes the row's mask (nb int8) to OUT. The k_q - 1 best candidates by Q without
-    sorting: the KQ-th best score by a search over its bytes, then the entries tied with it from the
-    most recent block down (top_desc's order)."""
+    sorting (top_desc's order: ties to the more recent block), the best left taken k_q - 1 times."""
     b = tl.arange(0, NBP)
     in_row = b < nb
     causal = in_row & (b <= q_blk)
     forced = causal & ((b < N_SINK) | (b >= q_blk - N_WIN))
     cand = causal & ~forced
-    key = tl.zeros([NBP], tl.int32)
-    kth = tl.full([], -2**31, tl.int32)  # the KQ-th best key; with KQ = 0 every candidate is above it
-    b0 = NBP  # ties with the KQ-th best are taken from block b0 on (later ones are more recent)
-    pick_q = cand & (KQ > 0)
-    if KQ > 0:
-        key = _ordered(tl.load(QS + b, mask=cand, other=float("-inf")))  # non-candidates: -inf
-        # kth = the largest t with at least KQ keys >= t (the KQ-th best, or the lowest key if fewer),
-        # a byte at a time from the top (radix select): among the keys that agree with kth's bytes so
-        # far, a histogram of the next byte; kth's byte is the highest d whose keys, with those already
-        # above, number KQ or more. Keys as unsigned (sign bit flipped), so bytes order as keys do.
-        u = key ^ -2**31
-        d = tl.arange(0, 256)
-        match, n_gt, kth = cand, 0, tl.full([], 0, tl.int32)  # candidates agreeing so far; keys above kth
-        for i in tl.static_range(4):
-            digit = (u >> (24 - 8 * i)) & 0xFF
-            h = tl.histogram(tl.where(match, digit, 0), 256)  # bin 0 also counts the others: never read
-            n_ge = n_gt + tl.cumsum(h, 0, reverse=True)  # (256,) keys above kth so far, or at byte >= d
-            best = tl.max(tl.where((n_ge >= KQ) & (d > 0), d, 0), 0)
-            n_gt += tl.sum(tl.where(d > best, h, 0), 0)
-            match = match & (digit == best)
-            kth = kth | (best << (24 - 8 * i))
-        kth = kth ^ -2**31
-        above, tie = cand & (key > kth), cand & (key == kth)  # candidates of score -inf still count
-        room = KQ - tl.sum(above.to(tl.int32), 0)
-        later = tl.cumsum(tie.to(tl.int32), 0, reverse=True)  # ties at this block or after it
-        b0 = tl.min(tl.where(tie & (later <= room), b, NBP), 0)  # the earliest tie taken
-        pick_q = cand & (above | tie & (b >= b0))
+    # a block's key orders as its score, ties by block (the more recent first): score bits above, block below
+    key = (_ordered(tl.load(QS + b, mask=cand, other=float("-inf"))).to(tl.int64) << 32) | b.to(tl.int64)
+    kth = tl.full([], -2**63, tl.int64)  # the KQ-th best key (the lowest of all if there are fewer candidates)
+    rest = tl.where(cand, key, -2**63)
+    for _ in range(KQ):  # the keys are distinct: each round takes the best that is left
+        kth = tl.max(rest, 0)
+        rest = tl.where(rest == kth, -2**63, rest)
+    pick_q = cand & (key >= kth) & (KQ > 0)
     few = tl.sum(causal.to(tl.int32), 0) <= K  # fewer than k causal blocks: all of them
     tl.store(OUT + b, tl.where(few, causal, forced | pick_q).to(tl.int8), mask=in_row)
     if N_CORE > 0:  # E-picks: the first N_CORE members of the list (best first) that Q did not take
         j = tl.arange(0, NLP)
         ids = tl.load(IDS + j, mask=j < N_LIST, other=-1)
         c_id = (ids >= N_SINK) & (ids < nb) & (ids < q_blk - N_WIN)  # candidates, as cand above
-        key_id = _ordered(tl.load(QS + ids, mask=c_id, other=float("-inf")))
-        taken = c_id & ((key_id > kth) | (key_id == kth) & (ids >= b0)) & (KQ > 0)  # pick_q at the ids
+        key_id = (_ordered(tl.load(QS + ids, mask=c_id, other=float("-inf"))).to(tl.int64) << 32) | ids.to(tl.int64)
+        taken = c_id & (key_id >= kth) & (KQ > 0)  # pick_q at the ids
         pick = (ids >= 0) & ~taken
         not_few = j * 0 + few.to(tl.int32) == 0  # a vector (the interpreter's masks must be)
         pick = pick & (tl.cumsum(pick.to(tl.int32), 0) <= N_CORE) & not_few

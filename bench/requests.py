@@ -44,7 +44,7 @@ def compose(N, Bz, G, t_prefill, t_step):
 @torch.no_grad()
 def bench_requests(shape="8b", prompt_len=131072, new_tokens=(1024, 8192), requests=28, budget_gb=24.0,
                    systems=("nosa-offload", "full", "infllmv2-offload"), steps=48, host_gb=None):
-    from fast import GraphedDecode, prepare
+    from fast import GraphedDecode, block_prefill, prepare
     from generate import random_model
     from kvcache import KVCache
     cuda = torch.cuda.is_available()
@@ -74,13 +74,13 @@ def bench_requests(shape="8b", prompt_len=131072, new_tokens=(1024, 8192), reque
         idx = torch.randint(0, cfg.vocab_size, (1, prompt_len), device=dev)
         # a whole prefill first: it compiles every kernel the timed one launches (the selection kernel once per
         # power of two of the block count, which grows with the prompt), so the timed one is the steady state
-        model.prefill(idx, cache, 0, chunk, stream_on_host=on_host)
+        model.prefill(idx, cache, 0, chunk, stream_on_host=on_host, block=block_prefill)
         sync()
         base = torch.cuda.memory_allocated() if cuda else 0
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        model.prefill(idx, cache, 0, chunk, stream_on_host=on_host)
+        model.prefill(idx, cache, 0, chunk, stream_on_host=on_host, block=block_prefill)
         sync()
         t_prefill = time.perf_counter() - t0
         prefill_peak = torch.cuda.max_memory_allocated() - base if cuda else 0

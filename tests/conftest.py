@@ -18,10 +18,10 @@ from model import Transformer  # noqa: E402
 @pytest.fixture(autouse=True)
 def _seed_and_threads():
     torch.manual_seed(0)
-    threads, fuse = torch.get_num_threads(), fast.FUSE
+    threads, fuse = torch.get_num_threads(), (fast.FUSE, fast.FUSE_PREFILL)
     yield
     torch.set_num_threads(threads)  # generate.cli runs on one thread on CPU; the other tests do not
-    fast.FUSE = fuse  # fast.prepare decides it per run
+    fast.FUSE, fast.FUSE_PREFILL = fuse  # fast.prepare decides them per run
 
 
 # k*B = 64 tokens: sequences of 300+ tokens cross many block boundaries with sparsity active

@@ -291,7 +291,8 @@ def test_fused_runs_as_written_off_the_gpu_and_falls_back_when_compiling_fails(m
 def test_chunked_prefill_through_the_kernels(attn, monkeypatch):
     """A prefill in chunks of 48 (not a multiple of B = 16) through the kernels (compiled on a GPU in
     bf16, with the residual stream in pinned host memory and without; interpreted on CPU in fp32):
-    the last position's logits are the parallel forward's, and the cache it leaves decodes alike."""
+    the last position's logits are the parallel forward's, also through fast.block_prefill, and the
+    cache it leaves decodes alike."""
     import nosa
     import pooling
     from kvcache import KVCache
@@ -316,3 +317,6 @@ def test_chunked_prefill_through_the_kernels(attn, monkeypatch):
             whole = KVCache(model.cfg, 1, DEV, dtype)
             model.prefill(idx, whole, 0)
             assert rel_err(cache.k[1][0, :, :200], whole.k[1][0, :, :200]) < tol
+        fast.prepare(model)  # the prefill's blocks through fast (fused weights; small ops compiled on a GPU)
+        got = model.prefill(idx, KVCache(model.cfg, 1, DEV, dtype), 0, 48, block=fast.block_prefill)
+        assert rel_err(got, ref) < tol, rel_err(got, ref)

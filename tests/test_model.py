@@ -41,7 +41,7 @@ def test_prepared_decode_equals_parallel(tmp_path):
     the small operations fused): same decode logits as the parallel forward, same parameters and
     checkpoint; a later .to() separates the weights again and decoding notices."""
     import checkpoint
-    from fast import is_fused, prepare
+    from fast import block_prefill, is_fused, prepare
     model = make_model("nosa", torch.float64)
     idx = torch.randint(0, 97, (2, 200))
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -54,6 +54,8 @@ def test_prepared_decode_equals_parallel(tmp_path):
         assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
         for i, (P, got) in enumerate(zip([3, 50], decode_logits(model, idx, [3, 50]))):
             torch.testing.assert_close(got, ref[i, P - 1:P - 1 + got.shape[0]], rtol=0, atol=1e-9)
+        got = model.prefill(idx[:1, :150], KVCache(model.cfg, 1, "cpu", torch.float64), 0, 37, block=block_prefill)
+        torch.testing.assert_close(got, ref[0, 149], rtol=0, atol=1e-9)  # a chunked prefill through fast too
         checkpoint.save(model, checkpoint.byte_tokenizer(), str(tmp_path / "ck"))  # views: saved as tensors
         loaded, _ = checkpoint.load(str(tmp_path / "ck"))
         assert all(torch.equal(before[k], v) for k, v in loaded.state_dict().items())
