@@ -63,7 +63,7 @@ def prepare(model, tokens=None, prompt_tokens=None):
     storage of their own again, and decode notices and runs the plain block step.
     tokens: how many tokens the run will decode (batch x new tokens); torch.compile costs seconds a
     process (imports, compiles, cache reads), worth it from 2048 on. prompt_tokens: how many it will
-    prefill; the compiled chunks of a prefill (block_prefill) cost about 10 s once and save about 6 ms
+    prefill; the compiled chunks of a prefill (block_prefill) cost about 9 s once and save about 5 ms
     per 1K prompt tokens at the 8b shape (H200, BENCHMARKS.md), worth it from 2M on. NOSA_FUSE=1/0
     decides both instead."""
     global FUSE, FUSE_PREFILL
