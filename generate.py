@@ -204,8 +204,9 @@ def main(checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, prompt=DEFAULT_PROMPT, ma
         cache = nosi.OffloadCache(model.cfg, batch, device, dtype, max_len=max_len, host_budget=host)
     else:
         cache = KVCache(model.cfg, batch, device, dtype, max_len)
-    if device.type == "cuda":  # warm-up on short prompts: build uva_copy.cu and compile the kernels
-        generate(model, [p[:64] for p in ids], 2, temperature, top_k, cache=cache, chunk=chunk)
+    if device.type == "cuda":  # warm-up on short prompts: build uva_copy.cu and compile the kernels (prompts of
+        # two lengths, so that torch.compile makes the prefill's graph for any chunk length here, not in the run)
+        generate(model, [p[:64 + i % 2] for i, p in enumerate(ids)], 2, temperature, top_k, cache=cache, chunk=chunk)
         torch.cuda.synchronize()
         if offload:
             cache.reset_stats()
