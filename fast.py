@@ -118,25 +118,29 @@ def decode_layers(model, tok, cache):
 
 def block_decode(block, x, layer, rope, cache):
     """model.Block.decode with the fused weights (prepare) while they are still the parameters."""
-    a, m = block.self_attn, block.mlp
-    w_qkv, w_gate_up = getattr(block, "fused", (None, None))
-    if w_qkv is None or not (is_fused(w_qkv, a.q_proj, a.k_proj, a.v_proj)
-                             and is_fused(w_gate_up, m.gate_proj, m.up_proj)):
+    if not prepared(block):
         return block.decode(x, layer, rope, cache)
-    o = a.decode(*step_in(block, x, rope, w_qkv), layer, cache)
+    w_qkv, w_gate_up = block.fused
+    o = block.self_attn.decode(*step_in(block, x, rope, w_qkv), layer, cache)
     return step_out(block, x, o, w_gate_up)
 
 
 def block_prefill(block, x, rope, prompt, start):
     """model.Block.forward for one chunk of a prefill (model.Transformer.prefill's `block`), with the
     fused weights (prepare) while they are still the parameters."""
+    if not prepared(block):
+        return block(x, rope, prompt, start)
+    w_qkv, w_gate_up = block.fused
+    o = block.self_attn.attend(*chunk_in(block, x, rope, w_qkv), prompt, start)
+    return chunk_out(block, x, o, w_gate_up)
+
+
+def prepared(block):
+    """Whether prepare's fused weights are still the block's parameters (a .to() since separates them)."""
     a, m = block.self_attn, block.mlp
     w_qkv, w_gate_up = getattr(block, "fused", (None, None))
-    if w_qkv is None or not (is_fused(w_qkv, a.q_proj, a.k_proj, a.v_proj)
-                             and is_fused(w_gate_up, m.gate_proj, m.up_proj)):
-        return block(x, rope, prompt, start)
-    o = a.attend(*chunk_in(block, x, rope, w_qkv), prompt, start)
-    return chunk_out(block, x, o, w_gate_up)
+    return w_qkv is not None and is_fused(w_qkv, a.q_proj, a.k_proj, a.v_proj) and is_fused(
+        w_gate_up, m.gate_proj, m.up_proj)
 
 
 def block_in(block, x, rope, w_qkv):  # input norm, projections, RoPE and eviction score
