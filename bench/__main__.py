@@ -23,6 +23,8 @@ def main(what, json_path=None, ckpts=os.path.join(checkpoint.ROOT, "out"), train
         rows = eviction.bench_eviction(checkpoint_dir)
     elif what == "recall":
         rows = recall.bench_recall(ckpts, systems or tuple(quality.SYSTEMS), n=cases)
+    elif what == "head":
+        rows = recall.bench_head(checkpoint_dir)
     elif what == "plot":
         rows = plot.main()
     elif what == "requests":
@@ -48,14 +50,14 @@ def main(what, json_path=None, ckpts=os.path.join(checkpoint.ROOT, "out"), train
 if __name__ == "__main__":
     p = argparse.ArgumentParser(prog="python -m bench", description="NOSA / NOSI benchmarks (GPU)")
     p.add_argument("what", choices=["gather", "prefill", "decode", "sdpa", "quality", "eviction", "throughput",
-                                    "requests", "plot", "recall"],
+                                    "requests", "plot", "recall", "head"],
                    help="which benchmark")
     p.add_argument("--json", help="also write the rows to this file")
     p.add_argument("--ckpts", default=os.path.join(checkpoint.ROOT, "out"),
                    help="quality, throughput --trained: where train.py wrote tiny-nosa/, tiny-full/, ... "
                         "(default: out/)")
     p.add_argument("--checkpoint", default=checkpoint.DEFAULT_CHECKPOINT,
-                   help="eviction: the model to diagnose (default: the embedded one)")
+                   help="eviction, head: the model to diagnose (default: the embedded one)")
     p.add_argument("--shape", default="tiny", choices=sorted(throughput_.SHAPES), help="throughput: model shape")
     p.add_argument("--prompt-len", type=int, default=4096, help="throughput: context before decoding")
     p.add_argument("--budget-gb", type=float, default=24.0, help="throughput: GPU memory budget")

@@ -4,7 +4,8 @@ training-free baseline (bench.quality.SYSTEMS), the sparse modes decoding throug
 (hit rate beside it); and, for the modes with selection, where the fact's block stands when the
 answer's first token is predicted: in the window (forced), picked by Q, in E's core, or not selected;
 beside it how much of the model's own dense attention falls on the fact's block there, and for the
-modes with an eviction head how c and E rank the fact (eviction_at_the_question)."""
+modes with an eviction head how c and E rank the fact (eviction_at_the_question). bench_head: whether
+the eviction head can learn to keep a fact when it alone learns, from the answers' loss alone."""
 
 import numpy as np
 import torch
@@ -204,4 +205,84 @@ def bench_recall(ckpts, systems=tuple(SYSTEMS), distances=(128, 256, 512, 1024, 
                 row.update(dLdc_value=float(f"{on:.3g}"), dLdc_elsewhere=float(f"{off:.3g}"))
             rows.append(row)
             print(row, flush=True)
+    return rows
+
+
+def answer_loss(model, ids, at, n):
+    """Cross-entropy of the answer's n tokens at `at` given what precedes it: ids (L,) -> a scalar tensor."""
+    logits = model(torch.as_tensor(ids[None, :at + n - 1]))[0, at - 1:]
+    return F.cross_entropy(logits, torch.as_tensor(ids[at:at + n]))
+
+
+def train_head(model, tok, filler, steps, rng, batch=4, length=1025, lr=1e-2):
+    """Train only the eviction heads (A, W_δ) of every layer, the rest frozen, on recall tasks alone (a
+    random kind at a random distance past k·B), by the answer's loss alone: the signal the head gets
+    when nothing dilutes it. Returns the losses of the steps."""
+    cfg = model.cfg
+    head = [p for blk in model.layers for p in (blk.self_attn.A, blk.self_attn.delta.weight)]
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for p in head:
+        p.requires_grad_(True)
+    opt = torch.optim.Adam(head, lr=lr)
+    losses = []
+    for _ in range(steps):
+        loss = 0
+        for _ in range(batch):
+            kind = tasks.KINDS[int(rng.integers(0, len(tasks.KINDS)))]
+            ids, at, n, _ = tasks.make_task(kind, tok, filler, length, int(rng.integers(cfg.k * cfg.B, length - 24)),
+                                            rng)
+            loss = loss + answer_loss(model, ids, at, n) / batch
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    for p in head:
+        p.requires_grad_(False)
+    return losses
+
+
+def bench_head(ckpt=checkpoint.DEFAULT_CHECKPOINT, steps=150, distances=(256, 768), n=24, where_cases=8, seed=0):
+    """Can the eviction head learn to keep a fact? A trained model with an eviction head, frozen but for
+    the heads, trained on recall tasks by the answer's loss (train_head), from its own head ('as trained')
+    and from A = 1, W_δ = 0 ('A = 1, W_δ = 0': c constant, the same function as A = 0, but W_δ's
+    gradient is not scaled by A); before and after: the answer's loss on held-out tasks, where the
+    value's block stands (where_the_fact_is) and how c ranks it (eviction_at_the_question)."""
+    _, tok = checkpoint.load(ckpt)
+    val = held_out_tokens(ckpt, tok)
+    train_fill, test_fill = val[:len(val) // 2], val[len(val) // 2:]  # tasks to learn from and to test on
+    rows = []
+    for init in ("as trained", "A = 1, W_δ = 0"):
+        model, _ = checkpoint.load(ckpt, dtype=torch.float32)
+        if not model.cfg.eviction_head:
+            raise ValueError(f"{ckpt}: bench head needs a model with an eviction head (nosa or dma)")
+        if init != "as trained":
+            for blk in model.layers:
+                torch.nn.init.ones_(blk.self_attn.A)
+                torch.nn.init.zeros_(blk.self_attn.delta.weight)
+        for phase in ("before", "after"):
+            if phase == "after":
+                losses = train_head(model, tok, train_fill, steps, np.random.default_rng(seed))
+            for d in distances:
+                rng = np.random.default_rng(seed + d)
+                cs = [tasks.make_task(tasks.KINDS[i % len(tasks.KINDS)], tok, test_fill, d + 64, d, rng)
+                      for i in range(n)]
+                with torch.no_grad():
+                    loss = np.mean([answer_loss(model, c[0], c[1], c[2]).item() for c in cs])
+                where = [w for c in cs[:where_cases]
+                         for w in where_the_fact_is(model, c[0].tolist(), c[1] - 1, value_at(c) // model.cfg.B)]
+                ev = [r for c in cs[:where_cases]
+                      for r in eviction_at_the_question(model, c[0].tolist(), c[1] - 1, value_at(c), c[2]).values()]
+                z = [r["c_fact_z"] for r in ev if np.isfinite(r.get("c_fact_z", np.nan))]  # none while c is constant
+                row = dict(init=init, phase=phase, steps=steps if phase == "after" else 0, distance=d, cases=n,
+                           answer_loss=round(float(loss), 3),
+                           **{f"fact_{k}": round(where.count(k) / len(where), 3) for k in ("Q", "E", "none")},
+                           c_fact_z=round(float(np.mean(z)), 2) if z else None,
+                           mean_abs_A=round(float(np.mean([blk.self_attn.A.abs().mean().item()
+                                                           for blk in model.layers])), 3))
+                if phase == "after":
+                    row["train_loss_first_last_10"] = (round(float(np.mean(losses[:10])), 3),
+                                                       round(float(np.mean(losses[-10:])), 3))
+                rows.append(row)
+                print(row, flush=True)
     return rows

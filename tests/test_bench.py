@@ -168,3 +168,25 @@ def test_recall_bench_on_the_embedded_model(tmp_path):
     assert rows[0]["fact_forced"] == 1  # at 100 tokens every block is selected (k·B = 256)
     assert rows[1]["fact_forced"] < 1  # at 400 the fact lies past the window
     assert 0 <= rows[1]["dense_fact"] <= 1 and 0 <= rows[1]["E_rank_fact"] <= 1
+
+
+def test_head_only_training_moves_the_head_alone():
+    """bench head: train_head changes A and W_δ and nothing else; from A = 1, W_δ = 0 c is constant (no
+    standing of the value to report) until a step has trained W_δ."""
+    import numpy as np
+
+    import checkpoint
+    from bench.recall import bench_head, held_out_tokens, train_head
+    model, tok = checkpoint.load(checkpoint.DEFAULT_CHECKPOINT, dtype=torch.float32)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    val = held_out_tokens(checkpoint.DEFAULT_CHECKPOINT, tok)
+    losses = train_head(model, tok, val, 2, np.random.default_rng(0), batch=1, length=400)
+    assert len(losses) == 2 and all(np.isfinite(losses))
+    moved = {k for k, v in model.state_dict().items() if not torch.equal(v, before[k])}
+    assert moved and all(k.endswith(("self_attn.A", "self_attn.delta.weight")) for k in moved), moved
+    rows = bench_head(steps=1, distances=(300,), n=2, where_cases=1)
+    assert [(r["init"], r["phase"]) for r in rows] == [("as trained", "before"), ("as trained", "after"),
+                                                      ("A = 1, W_δ = 0", "before"), ("A = 1, W_δ = 0", "after")]
+    assert rows[2]["c_fact_z"] is None and rows[3]["c_fact_z"] is not None and rows[2]["mean_abs_A"] == 1
+    for r in rows:
+        assert np.isfinite(r["answer_loss"]) and sum(r[f"fact_{k}"] for k in ("Q", "E", "none")) <= 1 + 1e-9
