@@ -247,7 +247,9 @@ def bench_head(ckpt=checkpoint.DEFAULT_CHECKPOINT, steps=150, distances=(256, 76
     the heads, trained on recall tasks by the answer's loss (train_head), from its own head ('as trained')
     and from A = 1, W_δ = 0 ('A = 1, W_δ = 0': c constant, the same function as A = 0, but W_δ's
     gradient is not scaled by A); before and after: the answer's loss on held-out tasks, where the
-    value's block stands (where_the_fact_is) and how c ranks it (eviction_at_the_question)."""
+    value's block stands (where_the_fact_is) and how c ranks it (eviction_at_the_question), and the
+    loss on held-out Python text (what the tuned heads cost the text)."""
+    import train
     _, tok = checkpoint.load(ckpt)
     val = held_out_tokens(ckpt, tok)
     train_fill, test_fill = val[:len(val) // 2], val[len(val) // 2:]  # tasks to learn from and to test on
@@ -263,6 +265,8 @@ def bench_head(ckpt=checkpoint.DEFAULT_CHECKPOINT, steps=150, distances=(256, 76
         for phase in ("before", "after"):
             if phase == "after":
                 losses = train_head(model, tok, train_fill, steps, np.random.default_rng(seed))
+            with torch.no_grad():  # what the heads cost the text: the held-out half's loss, 6 x 8 windows
+                text_loss = train.evaluate(model, test_fill, 8, 1024, torch.device("cpu"), n_batches=6)
             for d in distances:
                 rng = np.random.default_rng(seed + d)
                 cs = [tasks.make_task(tasks.KINDS[i % len(tasks.KINDS)], tok, test_fill, d + 64, d, rng)
@@ -275,7 +279,7 @@ def bench_head(ckpt=checkpoint.DEFAULT_CHECKPOINT, steps=150, distances=(256, 76
                       for r in eviction_at_the_question(model, c[0].tolist(), c[1] - 1, value_at(c), c[2]).values()]
                 z = [r["c_fact_z"] for r in ev if np.isfinite(r.get("c_fact_z", np.nan))]  # none while c is constant
                 row = dict(init=init, phase=phase, steps=steps if phase == "after" else 0, distance=d, cases=n,
-                           answer_loss=round(float(loss), 3),
+                           answer_loss=round(float(loss), 3), text_loss=round(text_loss, 3),
                            **{f"fact_{k}": round(where.count(k) / len(where), 3) for k in ("Q", "E", "none")},
                            c_fact_z=round(float(np.mean(z)), 2) if z else None,
                            mean_abs_A=round(float(np.mean([blk.self_attn.A.abs().mean().item()

@@ -189,4 +189,5 @@ def test_head_only_training_moves_the_head_alone():
                                                       ("A = 1, W_δ = 0", "before"), ("A = 1, W_δ = 0", "after")]
     assert rows[2]["c_fact_z"] is None and rows[3]["c_fact_z"] is not None and rows[2]["mean_abs_A"] == 1
     for r in rows:
-        assert np.isfinite(r["answer_loss"]) and sum(r[f"fact_{k}"] for k in ("Q", "E", "none")) <= 1 + 1e-9
+        assert np.isfinite(r["answer_loss"]) and np.isfinite(r["text_loss"])
+        assert sum(r[f"fact_{k}"] for k in ("Q", "E", "none")) <= 1 + 1e-9
