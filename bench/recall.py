@@ -122,6 +122,21 @@ def eviction_at_the_question(model, ids, t, v, n):
     return out
 
 
+def fact_standing(model, cs, where=True):
+    """For the cases cs at the question's last token: where the value's block stands in Γ(t), per layer
+    and KV head (where_the_fact_is; [] unless `where`), and eviction_at_the_question's rows per layer."""
+    at_q = [(c[0].tolist(), c[1] - 1, value_at(c), c[2]) for c in cs]
+    return ([w for ids, t, v, _ in at_q for w in where_the_fact_is(model, ids, t, v // model.cfg.B)] if where else [],
+            [r for ids, t, v, n in at_q for r in eviction_at_the_question(model, ids, t, v, n).values()])
+
+
+def answer_loss(model, ids, at, n):
+    """Cross-entropy of the answer's n tokens at `at` given what precedes it: ids (L,) -> a scalar tensor."""
+    x = torch.as_tensor(ids, device=model.embed_tokens.weight.device)
+    logits = model(x[None, :at + n - 1])[0, at - 1:]
+    return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), x[at:at + n])
+
+
 def gradient_on_the_value(model, case, offset=None):
     """What the eviction head hears of a fact in training: the answer's loss (teacher-forced, through
     the parallel forward) differentiated by every layer's eviction scores c. Returns (on_value,
@@ -142,9 +157,7 @@ def gradient_on_the_value(model, case, offset=None):
     eviction.eviction_score = keep
     try:
         with torch.enable_grad():
-            x = torch.tensor(ids, device=model.embed_tokens.weight.device)[None]
-            logits = model(x)[0, at - 1:at + n - 1]
-            loss = F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), x[0, at:at + n])
+            loss = answer_loss(model, ids, at, n)
             if offset is not None:
                 return loss.item()
             loss.backward()
@@ -188,15 +201,12 @@ def bench_recall(ckpts, systems=tuple(SYSTEMS), distances=(128, 256, 512, 1024, 
             out = generate(model, prompts, G, cache=cache)
             correct = [o[:c[2]] == c[0][c[1]:].tolist() for o, c in zip(out, cs)]
             row = dict(system=name, distance=d, cases=len(cs), accuracy=round(float(np.mean(correct)), 3))
+            where, ev = fact_standing(model, cs[:where_cases], cfg.sparse)
             if cfg.sparse:
                 s = cache.stats
                 row["hit_rate"] = round(1 - s.moved.sum().item() / max(s.needed.sum().item(), 1), 3)
-                where = [w for c in cs[:where_cases]  # the block of the value's first token
-                         for w in where_the_fact_is(model, c[0].tolist(), c[1] - 1, value_at(c) // cfg.B)]
                 for kind in ("forced", "Q", "E", "none"):
                     row[f"fact_{kind}"] = round(where.count(kind) / len(where), 3)
-            ev = [r for c in cs[:where_cases] for r in eviction_at_the_question(
-                model, c[0].tolist(), c[1] - 1, value_at(c), c[2]).values()]
             for key in ("dense_fact", "c_fact_z", "E_rank_fact"):  # means over cases, layers and KV heads
                 if any(key in r for r in ev):
                     row[key] = round(float(np.mean([r[key] for r in ev if key in r])), 3)
@@ -206,12 +216,6 @@ def bench_recall(ckpts, systems=tuple(SYSTEMS), distances=(128, 256, 512, 1024, 
             rows.append(row)
             print(row, flush=True)
     return rows
-
-
-def answer_loss(model, ids, at, n):
-    """Cross-entropy of the answer's n tokens at `at` given what precedes it: ids (L,) -> a scalar tensor."""
-    logits = model(torch.as_tensor(ids[None, :at + n - 1]))[0, at - 1:]
-    return F.cross_entropy(logits, torch.as_tensor(ids[at:at + n]))
 
 
 def train_head(model, tok, filler, steps, rng, batch=4, length=1025, lr=1e-2):
@@ -268,15 +272,10 @@ def bench_head(ckpt=checkpoint.DEFAULT_CHECKPOINT, steps=150, distances=(256, 76
             with torch.no_grad():  # what the heads cost the text: the held-out half's loss, 6 x 8 windows
                 text_loss = train.evaluate(model, test_fill, 8, 1024, torch.device("cpu"), n_batches=6)
             for d in distances:
-                rng = np.random.default_rng(seed + d)
-                cs = [tasks.make_task(tasks.KINDS[i % len(tasks.KINDS)], tok, test_fill, d + 64, d, rng)
-                      for i in range(n)]
+                cs = cases(tok, test_fill, [d], n, d + 64, seed + d)[d]
                 with torch.no_grad():
                     loss = np.mean([answer_loss(model, c[0], c[1], c[2]).item() for c in cs])
-                where = [w for c in cs[:where_cases]
-                         for w in where_the_fact_is(model, c[0].tolist(), c[1] - 1, value_at(c) // model.cfg.B)]
-                ev = [r for c in cs[:where_cases]
-                      for r in eviction_at_the_question(model, c[0].tolist(), c[1] - 1, value_at(c), c[2]).values()]
+                where, ev = fact_standing(model, cs[:where_cases])
                 z = [r["c_fact_z"] for r in ev if np.isfinite(r.get("c_fact_z", np.nan))]  # none while c is constant
                 row = dict(init=init, phase=phase, steps=steps if phase == "after" else 0, distance=d, cases=n,
                            answer_loss=round(float(loss), 3), text_loss=round(text_loss, 3),
