@@ -79,11 +79,13 @@ def make_task(kind, tok, filler, length, distance, rng):
 
 def mix_tasks(x, fraction, tok, filler, rng, min_distance=16):
     """Replace a fraction of the rows of a batch x (Bz, T+1) int64 with tasks of a random kind at a
-    random distance up to the row's length (train.get_batch with --tasks), in place."""
-    length = x.shape[1]
+    random distance up to the row's length (train.get_batch with --tasks), in place. Returns the
+    answers' spans [(row, where the answer starts, its length)]."""
+    length, answers = x.shape[1], []
     for r in range(x.shape[0]):
         if rng.random() < fraction:
             kind = KINDS[int(rng.integers(0, len(KINDS)))]
             distance = int(rng.integers(min_distance, length - 8))
-            x[r] = make_task(kind, tok, filler, length, distance, rng)[0]
-    return x
+            x[r], at, n, _ = make_task(kind, tok, filler, length, distance, rng)
+            answers.append((r, at, n))
+    return answers

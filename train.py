@@ -135,18 +135,29 @@ def prepare(data_dir, vocab_size, data=None):
     return tok
 
 
-def get_batch(data, batch_size, T, seed, step, rank, device, tasks=0.0, tok=None):
+def get_batch(data, batch_size, T, seed, step, rank, device, tasks=0.0, tok=None, answer_weight=1.0):
     """Random windows of T+1 tokens, a fraction `tasks` of them replaced by long-range recall tasks
     (tasks.py, their filler from the same data); the draw depends only on (seed, step, rank), so a
-    resumed run sees exactly the batches the uninterrupted one would have."""
+    resumed run sees exactly the batches the uninterrupted one would have. Returns inputs, targets
+    and the targets' weights in the loss: None (all alike) unless the tasks' answers weigh more."""
     rng = np.random.default_rng([seed, step, rank])
     ix = rng.integers(0, len(data) - T - 1, size=batch_size)
     x = np.stack([data[i:i + T + 1].astype(np.int64) for i in ix])
-    if tasks:
-        recall.mix_tasks(x, tasks, tok, data, rng)
-    x = torch.from_numpy(x)
-    x = x.to(device, non_blocking=True)
-    return x[:, :-1], x[:, 1:]
+    answers = recall.mix_tasks(x, tasks, tok, data, rng) if tasks else []
+    w = None
+    if answer_weight != 1.0:
+        w = np.ones((batch_size, T), dtype=np.float32)
+        for r, at, n in answers:
+            w[r, at - 1:at - 1 + n] = answer_weight  # target i is token i + 1
+        w = torch.from_numpy(w).to(device, non_blocking=True)
+    x = torch.from_numpy(x).to(device, non_blocking=True)
+    return x[:, :-1], x[:, 1:], w
+
+
+def lm_loss(logits, y, w=None):
+    """Cross-entropy of the next tokens, each weighted by w (Bz, T) if given: sum(w · loss) / sum(w)."""
+    loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none" if w is not None else "mean")
+    return loss if w is None else (loss * w.flatten()).sum() / w.sum()
 
 
 # -----------------------------------------------------------------------------
@@ -166,10 +177,10 @@ def evaluate(model, val, batch_size, T, device, n_batches=8):
     model.eval()
     losses = []
     for i in range(n_batches):  # the same windows every time
-        x, y = get_batch(val, batch_size, T, seed=0, step=i, rank=0, device=device)
+        x, y, _ = get_batch(val, batch_size, T, seed=0, step=i, rank=0, device=device)
         with torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"):
             logits = model(x)
-        losses.append(F.cross_entropy(logits.float().flatten(0, 1), y.flatten()).item())
+        losses.append(lm_loss(logits, y).item())
     model.train()
     return sum(losses) / len(losses)
 
@@ -177,7 +188,7 @@ def evaluate(model, val, batch_size, T, device, n_batches=8):
 def main(preset="tiny", attn="nosa", out=None, data=None, data_dir=None, steps=120, batch_size=4, seq_len=1024,
          lr=3e-3, warmup=20, weight_decay=0.1, grad_clip=1.0, eval_every=40, seed=1337, device=None, resume=False,
          force=False, stop_at=None, save_bf16=False, log_every=10, evict_lr_mult=1.0, init_from=None, tasks=0.0,
-         corpus=None, **overrides):
+         corpus=None, answer_weight=1.0, **overrides):
     """Train; returns (model, last validation loss). `overrides` go to the Config (tests use tiny shapes).
     out defaults to out/{preset}-{attn} and data_dir to data/, both in the repository, whatever the
     working directory. An existing checkpoint in out is continued with resume, replaced with force,
@@ -195,6 +206,8 @@ def main(preset="tiny", attn="nosa", out=None, data=None, data_dir=None, steps=1
         raise ValueError(f"--lr {lr}: must be positive")
     if not 0 <= tasks <= 1:
         raise ValueError(f"--tasks {tasks}: a fraction of the training windows, from 0 to 1")
+    if not answer_weight > 0 or (answer_weight != 1.0 and not tasks):
+        raise ValueError(f"--answer-weight {answer_weight}: a positive weight of the tasks' answers, with --tasks")
     common.pick_device(device)  # a device this torch lacks fails here, before anything else
     out = out or os.path.join(checkpoint.ROOT, "out", f"{preset}-{attn}")
     data_dir = data_dir or os.path.join(checkpoint.ROOT, "data")
@@ -253,7 +266,8 @@ def main(preset="tiny", attn="nosa", out=None, data=None, data_dir=None, steps=1
               f"token counts and losses will differ from the README's", flush=True)
     data_dir = os.path.join(data_dir, f"{corpus}-{cfg.vocab_size}")
     run = dict(seq_len=seq_len, batch_size=batch_size * world, lr=lr, warmup=warmup, weight_decay=weight_decay,
-               grad_clip=grad_clip, seed=seed, evict_lr_mult=evict_lr_mult, corpus=corpus, tasks=tasks)  # the run
+               grad_clip=grad_clip, seed=seed, evict_lr_mult=evict_lr_mult, corpus=corpus, tasks=tasks,
+               answer_weight=answer_weight)  # the run
     if resume:  # continue exactly that run, or say which flag differs (older checkpoints lack some of these)
         flag = dict(batch_size="--batch-size (times the processes)", corpus="--data (its files changed, or others)")
         for key, value in run.items():
@@ -321,10 +335,10 @@ def main(preset="tiny", attn="nosa", out=None, data=None, data_dir=None, steps=1
         while step < stop_at:
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, steps, lr, warmup) * g.get("lr_mult", 1.0)
-            x, y = get_batch(train_data, batch_size, seq_len, seed, step, rank, device, tasks, tok)
+            x, y, w = get_batch(train_data, batch_size, seq_len, seed, step, rank, device, tasks, tok, answer_weight)
             with torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"):
                 logits = model(x)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+            loss = lm_loss(logits, y, w)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
@@ -408,6 +422,8 @@ def cli(argv=None):
                    help="learning rate of the eviction head (A, W_δ) as a multiple of --lr")
     p.add_argument("--tasks", type=float, default=0.0, metavar="FRACTION",
                    help="replace this fraction of the training windows by long-range recall tasks (tasks.py)")
+    p.add_argument("--answer-weight", type=float, default=1.0, metavar="W",
+                   help="weight of the tasks' answer tokens in the loss, against 1 for every other token")
     p.add_argument("--corpus", metavar="ID", help="train on the token streams prepared for this corpus id in "
                                                   f"--data-dir (e.g. {STDLIB_CORPUS}, CPython 3.11.7's library, on "
                                                   "a machine with another Python)")
@@ -418,7 +434,7 @@ def cli(argv=None):
         a.preset, a.attn, a.out, a.data, a.data_dir, a.steps, a.batch_size, a.seq_len, a.lr, a.warmup,
         eval_every=a.eval_every, seed=a.seed, device=a.device, resume=a.resume, force=a.force, stop_at=a.stop_at,
         save_bf16=a.save_bf16, evict_lr_mult=a.evict_lr_mult, init_from=a.init_from, tasks=a.tasks, corpus=a.corpus,
-        **parse_overrides(a.set)))
+        answer_weight=a.answer_weight, **parse_overrides(a.set)))
 
 
 if __name__ == "__main__":

@@ -362,3 +362,26 @@ def test_recall_tasks(corpus, tmp_path):
     assert all(torch.equal(x, y) for x, y in zip(ref.state_dict().values(), resumed.state_dict().values()))
     with pytest.raises(ValueError, match="--resume: the run in .* give --tasks"):
         train.main(out=str(tmp_path / "b"), resume=True, **{**kw, "tasks": 0.1, "steps": 6})
+
+
+def test_answer_weight(corpus):
+    """--answer-weight: the weight lies on exactly the targets that are a task's answer (' 83520\n' after
+    'assert NAME =='), and the loss is the weighted mean of the tokens' losses."""
+    import re
+
+    import numpy as np
+    tok = checkpoint.load(checkpoint.DEFAULT_CHECKPOINT)[1]
+    data = np.array(tok.encode(open(os.path.join(corpus, "argparse.py")).read() * 3).ids, dtype=np.uint16)
+    x, y, w = train.get_batch(data, 6, 400, 1, 3, 0, torch.device("cpu"), tasks=1.0, tok=tok, answer_weight=8.0)
+    for r in range(6):
+        at = (w[r] == 8.0).nonzero().flatten()
+        assert len(at) > 0 and torch.equal(at, torch.arange(at[0], at[-1] + 1)) and torch.all(w[r][w[r] != 8.0] == 1)
+        assert re.fullmatch(r" \d+\n", tok.decode(y[r, at].tolist())), tok.decode(y[r, at].tolist())
+        assert re.search(r"assert \w+ ==$", tok.decode(x[r, :at[0] + 1].tolist()))
+    assert train.get_batch(data, 6, 400, 1, 3, 0, torch.device("cpu"), tasks=1.0, tok=tok)[2] is None
+    logits = torch.randn(6, 400, tok.get_vocab_size())
+    each = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(6, 400)
+    assert torch.allclose(train.lm_loss(logits, y, w), (each * w).sum() / w.sum())
+    assert torch.allclose(train.lm_loss(logits, y), each.mean())
+    with pytest.raises(ValueError, match="--answer-weight 5.0: .* with --tasks"):
+        train.main(data=corpus, steps=1, answer_weight=5.0)
