@@ -39,7 +39,7 @@ def plot_prefill(plt):
 def plot_requests(plt):
     """Whole requests: total time of 28 (8b) or 112 (1b) requests, prefill and decode, per system."""
     runs = [("8b, 32K", "requests_8b_32k.json"), ("8b, 128K", "requests_8b_128k.json"),
-            ("1b, 128K", "requests_1b_128k.json")]
+            ("1b, 32K", "requests_1b_32k.json"), ("1b, 128K", "requests_1b_128k.json")]
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.6), sharey=False)
     for ax, G in zip(axes, ("G1024", "G8192")):
         labels, systems = [name for name, _ in runs], {}
@@ -74,22 +74,39 @@ def plot_decode(plt):
 
 
 def plot_recall(plt):
-    """Exact-match recall of the tasks against the distance from the fact, per system."""
-    rows = load("recall.json")
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    for system in dict.fromkeys(r["system"] for r in rows):
-        rs = [r for r in rows if r["system"] == system]
-        ax.plot([r["distance"] for r in rs], [100 * r["accuracy"] for r in rs], "o-", label=system)
-    ax.axvline(1024, color="grey", lw=0.8, ls=":")
-    ax.text(1024, ax.get_ylim()[1] * 0.95, " training length", fontsize=7, va="top")
-    ax.set(xscale="log", xlabel="distance from the fact to the question (tokens)", ylabel="exact match, %",
-           title="Recall tasks, tiny models (200 cases per point)")
-    ds = sorted({r["distance"] for r in rows})
-    ax.set_xticks(ds, [str(d) for d in ds])
-    ax.xaxis.set_minor_formatter(plt.NullFormatter())
-    ax.legend(fontsize=8)
+    """Exact-match recall of the tasks against the distance from the fact, per system: every token
+    weighing alike in training (left), the answers weighing more (right)."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    weighted = [dict(r, system=WEIGHTED[r["system"], r["training"]]) for r in load("recall_weighted.json")
+                if (r["system"], r["training"]) in WEIGHTED]
+    for ax, rows, title in ((axes[0], load("recall.json"), "every token alike"),
+                            (axes[1], weighted, "the answers weigh 100 (or 30)")):
+        for system in dict.fromkeys(r["system"] for r in rows):
+            rs = [r for r in rows if r["system"] == system]
+            style = dict(color=COLOURS[system.split(",")[0]], ls="--" if "scratch" in system else "-",
+                         alpha=0.5 if "x30" in system else 1.0)
+            ax.plot([r["distance"] for r in rs], [100 * r["accuracy"] for r in rs], "o", label=system, **style)
+        ax.axvline(1024, color="grey", lw=0.8, ls=":")
+        ax.text(1024, 100, " training length", fontsize=7, va="top")
+        ds = sorted({r["distance"] for r in rows})
+        ax.set(xscale="log", xlabel="distance from the fact to the question (tokens)", title=title)
+        ax.set_xticks(ds, [str(d) for d in ds])
+        ax.xaxis.set_minor_formatter(plt.NullFormatter())
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("exact match, %")
+    fig.suptitle("Recall tasks, tiny models (200 cases per point)")
     fig.tight_layout()
     return fig
+
+
+COLOURS = {"nosa": "C0", "full": "C1", "infllmv2": "C2", "dma": "C3", "full-as-infllmv2": "C4"}
+WEIGHTED = {  # the curves of recall_weighted.json drawn, by (system, training)
+    ("full", "from scratch, answers x100"): "full",
+    ("infllmv2", "from scratch, answers x100"): "infllmv2",
+    ("full-as-infllmv2", "full from scratch, answers x100 (a second run)"): "full-as-infllmv2",
+    ("nosa", "recipe (full 1200, nosa 300), answers x100"): "nosa, recipe",
+    ("nosa", "from scratch, answers x30, seed 2"): "nosa, from scratch, x30 (seed 2)",
+    ("nosa", "from scratch, answers x100"): "nosa, from scratch"}
 
 
 def main():
