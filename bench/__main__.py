@@ -16,13 +16,15 @@ from bench import throughput as throughput_
 
 
 def main(what, json_path=None, ckpts=os.path.join(checkpoint.ROOT, "out"), trained=False,
-         checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, judge=None, gen_len=1024, systems=None, cases=200, **throughput):
+         checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, judge=None, gen_len=1024, systems=None, cases=200,
+         distances=None, **throughput):
     if what == "quality":
         rows = quality.bench_quality(ckpts, systems or tuple(quality.SYSTEMS), judge, gen_len)
     elif what == "eviction":
         rows = eviction.bench_eviction(checkpoint_dir)
     elif what == "recall":
-        rows = recall.bench_recall(ckpts, systems or tuple(quality.SYSTEMS), n=cases)
+        rows = recall.bench_recall(ckpts, systems or tuple(quality.SYSTEMS), n=cases,
+                                   **({"distances": distances} if distances else {}))
     elif what == "head":
         rows = recall.bench_head(checkpoint_dir)
     elif what == "plot":
@@ -45,6 +47,17 @@ def main(what, json_path=None, ckpts=os.path.join(checkpoint.ROOT, "out"), train
     print(" | ".join(keys))
     for r in rows:
         print(" | ".join(str(r.get(k, "")) for k in keys))
+
+
+def positive_ints(text):
+    """An argparse type: '128,256' -> (128, 256)."""
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive whole numbers separated by commas, e.g. 128,256")
+    return values
 
 
 if __name__ == "__main__":
@@ -73,6 +86,8 @@ if __name__ == "__main__":
     p.add_argument("--new-tokens", default="1024,8192", help="requests: tokens generated per request, e.g. 1024,8192")
     p.add_argument("--requests", type=int, default=28, help="requests: how many")
     p.add_argument("--cases", type=int, default=200, help="recall: tasks per distance bin")
+    p.add_argument("--distances", type=positive_ints,
+                   help="recall: the distance bins in tokens, e.g. 128,256,512 (default: 128 ... 4000)")
     p.add_argument("--judge", help="quality: the model that scores the generations (default: CKPTS/tiny-full)")
     p.add_argument("--gen-len", type=int, default=1024, help="quality: tokens generated (and teacher-forced window)")
     a = p.parse_args()
@@ -84,5 +99,5 @@ if __name__ == "__main__":
         kw = dict(shape=a.shape, prompt_len=a.prompt_len, budget_gb=a.budget_gb, steps=a.steps, host_gb=a.host_gb,
                   requests=a.requests, new_tokens=tuple(int(g) for g in a.new_tokens.split(",")))
     common.run_cli(main, a.what, a.json, a.ckpts, checkpoint_dir=a.checkpoint, judge=a.judge, gen_len=a.gen_len,
-                       cases=a.cases,
+                       cases=a.cases, distances=a.distances,
                        systems=a.systems.split(",") if a.systems else None, **kw)

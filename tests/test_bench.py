@@ -191,3 +191,14 @@ def test_head_only_training_moves_the_head_alone():
     for r in rows:
         assert np.isfinite(r["answer_loss"]) and np.isfinite(r["text_loss"])
         assert sum(r[f"fact_{k}"] for k in ("Q", "E", "none")) <= 1 + 1e-9
+
+
+def test_distances_flag():
+    """python -m bench recall --distances: comma-separated positive bins, anything else refused by argparse."""
+    import argparse
+
+    from bench.__main__ import positive_ints
+    assert positive_ints("128,256,4000") == (128, 256, 4000)
+    for bad in ("x", "0,5", "", "128,"):
+        with pytest.raises(argparse.ArgumentTypeError, match="positive whole numbers"):
+            positive_ints(bad)
