@@ -357,11 +357,16 @@ def test_recall_tasks(corpus, tmp_path):
                 assert tok.encode(facts[0]).ids[:-len(answer_ids)] == tok.encode(question).ids, (kind, facts[0])
     kw = dict(data=corpus, data_dir=str(tmp_path / "data"), steps=4, eval_every=2, tasks=0.5, **run, **small)
     ref, _ = train.main(out=str(tmp_path / "a"), **kw)
-    train.main(out=str(tmp_path / "b"), stop_at=2, **kw)
+    half, _ = train.main(out=str(tmp_path / "b"), stop_at=2, **kw)
+    half = {n: t.clone() for n, t in half.state_dict().items()}
     resumed, _ = train.main(out=str(tmp_path / "b"), resume=True, **kw)
     assert all(torch.equal(x, y) for x, y in zip(ref.state_dict().values(), resumed.state_dict().values()))
     with pytest.raises(ValueError, match="--resume: the run in .* give --tasks"):
         train.main(out=str(tmp_path / "b"), resume=True, **{**kw, "tasks": 0.1, "steps": 6})
+    weighted, _ = train.main(out=str(tmp_path / "c"), stop_at=2, answer_weight=50.0, **kw)  # the same batches,
+    assert not all(torch.equal(half[n], t) for n, t in weighted.state_dict().items())  # the answers weighing more
+    with pytest.raises(ValueError, match="--resume: the run in .* give --answer-weight"):
+        train.main(out=str(tmp_path / "c"), resume=True, **kw)
 
 
 def test_answer_weight(corpus):
