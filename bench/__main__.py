@@ -23,7 +23,7 @@ def main(what, json_path=None, ckpts=os.path.join(checkpoint.ROOT, "out"), train
     elif what == "eviction":
         rows = eviction.bench_eviction(checkpoint_dir)
     elif what == "recall":
-        rows = recall.bench_recall(ckpts, systems or tuple(quality.SYSTEMS), n=cases,
+        rows = recall.bench_recall(ckpts, systems or tuple(quality.SYSTEMS), n=cases, json_path=json_path,
                                    **({"distances": distances} if distances else {}))
     elif what == "head":
         rows = recall.bench_head(checkpoint_dir)

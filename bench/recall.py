@@ -7,6 +7,8 @@ beside it how much of the model's own dense attention falls on the fact's block 
 modes with an eviction head how c and E rank the fact (eviction_at_the_question). bench_head: whether
 the eviction head can learn to keep a fact when it alone learns, from the answers' loss alone."""
 
+import json
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -169,11 +171,12 @@ def gradient_on_the_value(model, case, offset=None):
 
 
 def bench_recall(ckpts, systems=tuple(SYSTEMS), distances=(128, 256, 512, 1024, 2048, 4000), n=200, seed=0,
-                 where_cases=20):
+                 where_cases=20, json_path=None):
     """Accuracy per distance bin and system; the fact's standing for `where_cases` cases per bin. The
     bins reach twice and about four times the tiny models' 1024-token training windows (4000: about
     the farthest a 4096-token context holds with the question and the longest answer); a bin the
-    model's context cannot hold is skipped."""
+    model's context cannot hold is skipped. json_path: the rows so far are written there after each
+    bin, so a run stopped early keeps what it measured."""
     from generate import generate
     from kvcache import KVCache
     from offload import OffloadCache
@@ -215,6 +218,9 @@ def bench_recall(ckpts, systems=tuple(SYSTEMS), distances=(128, 256, 512, 1024, 
                 row.update(dLdc_value=float(f"{on:.3g}"), dLdc_elsewhere=float(f"{off:.3g}"))
             rows.append(row)
             print(row, flush=True)
+            if json_path:
+                with open(json_path, "w") as f:
+                    json.dump(rows, f, indent=1)
     return rows
 
 

@@ -149,10 +149,11 @@ def test_eviction_bench_on_the_embedded_model():
     assert len(rows) == 4 and all(0 <= r[k] <= 1 for r in rows for k in ("core_by_E", "by_recency", "at_random"))
 
 
-def test_recall_bench_on_the_embedded_model(tmp_path):
+def test_recall_bench_on_the_embedded_model(tmp_path, monkeypatch):
     """python -m bench recall, small: accuracy per distance, the offload engine's hit rate within the
     theorem's bound, and where the fact's block stood (shares that add up to 1); a bin the context
     cannot hold is skipped."""
+    import json
     import shutil
 
     import checkpoint
@@ -160,8 +161,23 @@ def test_recall_bench_on_the_embedded_model(tmp_path):
     shutil.copytree(checkpoint.DEFAULT_CHECKPOINT, tmp_path / "tiny-nosa")
     cfg = checkpoint.load(checkpoint.DEFAULT_CHECKPOINT)[0].cfg
     far = cfg.max_seq_len - 64  # cases of max_seq_len tokens: with the longest answer after every prompt, too long
-    rows = bench_recall(tmp_path, systems=("nosa",), distances=(100, 400, far), n=3, where_cases=2)
+    rows = bench_recall(tmp_path, systems=("nosa",), distances=(100, 400, far), n=3, where_cases=2,
+                        json_path=tmp_path / "rows.json")
     assert [r["distance"] for r in rows] == [100, 400] and all(0 <= r["accuracy"] <= 1 for r in rows)
+    assert json.load(open(tmp_path / "rows.json")) == rows
+    import generate  # a run that stops in its second bin has written the first
+    calls, real = [], generate.generate
+
+    def stop_in_the_second_bin(*args, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kw)
+    monkeypatch.setattr(generate, "generate", stop_in_the_second_bin)
+    with pytest.raises(KeyboardInterrupt):
+        bench_recall(tmp_path, systems=("nosa",), distances=(100, 400), n=3, where_cases=2,
+                     json_path=tmp_path / "stopped.json")
+    assert json.load(open(tmp_path / "stopped.json")) == rows[:1]
     for r in rows:
         assert cfg.k_e / (cfg.k - 1) <= r["hit_rate"] <= 1
         assert sum(r[f"fact_{k}"] for k in ("forced", "Q", "E", "none")) == pytest.approx(1, abs=0.01)
