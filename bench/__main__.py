@@ -23,8 +23,8 @@ def main(what, json_path=None, ckpts=os.path.join(checkpoint.ROOT, "out"), train
     elif what == "eviction":
         rows = eviction.bench_eviction(checkpoint_dir)
     elif what == "recall":
-        rows = recall.bench_recall(ckpts, systems or tuple(quality.SYSTEMS), n=cases, json_path=json_path,
-                                   **({"distances": distances} if distances else {}))
+        rows = recall.bench_recall(ckpts, systems or tuple(quality.SYSTEMS), distances or recall.DISTANCES, n=cases,
+                                   json_path=json_path)
     elif what == "head":
         rows = recall.bench_head(checkpoint_dir)
     elif what == "plot":

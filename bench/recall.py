@@ -170,8 +170,10 @@ def gradient_on_the_value(model, case, offset=None):
     return g[..., v:v + n].mean().item(), torch.cat([g[..., :v], g[..., v + n:at]], -1).abs().mean().item()
 
 
-def bench_recall(ckpts, systems=tuple(SYSTEMS), distances=(128, 256, 512, 1024, 2048, 4000), n=200, seed=0,
-                 where_cases=20, json_path=None):
+DISTANCES = (128, 256, 512, 1024, 2048, 4000)  # bench_recall's bins, in tokens from the fact to the question
+
+
+def bench_recall(ckpts, systems=tuple(SYSTEMS), distances=DISTANCES, n=200, seed=0, where_cases=20, json_path=None):
     """Accuracy per distance bin and system; the fact's standing for `where_cases` cases per bin. The
     bins reach twice and about four times the tiny models' 1024-token training windows (4000: about
     the farthest a 4096-token context holds with the question and the longest answer); a bin the
