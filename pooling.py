@@ -19,13 +19,12 @@ Q has a torch twin (query_aware_scores_torch, the CPU path and the oracle) and a
 The kernel is fused so that the T x M matrix P never reaches memory: a program takes a tile of
 query tokens (all G heads of the group), makes one pass over the sub-blocks for the softmax
 statistics and a second that forms P, sums it over the heads and max-pools it to blocks in
-registers. What it writes is T x nb twice (the max over each block's own r sub-blocks, and over its
-last p, which the next block also overlaps); a tiny epilogue combines them, 2 / r of the size of P.
+registers (the last p sub-blocks of a block, which the next block also overlaps, shifted by one
+block there). What it writes is Q itself, T x nb: 1 / r of the size of P.
 """
 import math
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -93,14 +92,15 @@ def query_aware_scores_torch(q, K_sub, q_pos, nb, cfg):
 
 
 @triton.jit
-def _qscore_kernel(Q, KS, QPOS, OWN, LAST, scale, T, M, NB,
+def _qscore_kernel(Q, KS, QPOS, OUT, scale, T, M, NB,
                    H_kv: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
                    R_SUB: tl.constexpr, P_OVER: tl.constexpr, S_C: tl.constexpr, L_C: tl.constexpr,
                    NBT: tl.constexpr):
     """One program per tile of BT queries x the GP heads of a KV group (rows), over the compressed keys
     of its KV head: pass 1 the softmax statistics of every row, pass 2 P summed over the group's heads
-    and max-pooled to blocks. In base 2 (exp2, scores times log2 e), each row's log-sum-exp folded
-    into the exponent; the sub-blocks every row of the tile sees are read without a mask."""
+    and max-pooled to blocks, NBT blocks (NBT * r sub-blocks) at a time. In base 2 (exp2, scores times
+    log2 e), each row's log-sum-exp folded into the exponent; the sub-blocks every row of the tile sees
+    are read without a mask."""
     tile, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H_kv, bh % H_kv
     ROWS: tl.constexpr = BT * GP
@@ -118,45 +118,69 @@ def _qscore_kernel(Q, KS, QPOS, OWN, LAST, scale, T, M, NB,
     p_first = tl.min(tl.where(row_ok, pos, 2**30), 0) + 1  # and its first: all rows see the sub-blocks before M_ALL
     M_ALL = tl.minimum(tl.where(p_first >= L_C, (p_first - L_C) // S_C + 1, 0), M)
     m_full = tl.where((G == GP) & (tile * BT + BT <= T), M_ALL // BM * BM, 0)  # tiles no mask needs to touch
-    # pass 1: softmax statistics over the sub-blocks each query sees (m_i, l_i in base 2)
+    # pass 1: softmax statistics over the sub-blocks each query sees (m_i, l_i in base 2). The max is taken
+    # of the raw products, so that scaling and subtracting it are one multiply-add; each tile's products
+    # are issued one step ahead (s_next), so the tensor cores work while the statistics are formed.
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
+    s_next = _qk(q, KS, bh, M, M_VIS, tl.arange(0, BM), offs_d, D)
     for m0 in range(0, M_VIS, BM):
         offs_m = m0 + tl.arange(0, BM)
-        ks = tl.load(KS + (bh * M + offs_m)[:, None] * D + offs_d[None, :], mask=(offs_m < M)[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(ks)) * scale2
+        s = s_next
+        s_next = _qk(q, KS, bh, M, M_VIS, offs_m + BM, offs_d, D)
         if m0 >= m_full:
             vis = (offs_m[None, :] < M) & (offs_m[None, :] * S_C + L_C - 1 <= pos[:, None])
             s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * scale2)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
+        l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s * scale2 - m_safe[:, None]), 1)
         m_i = m_new
     lse = tl.where(m_i == float("-inf"), 0.0, m_i) + tl.log2(tl.where(l_i > 0, l_i, 1.0))
-    # pass 2: P = exp2(s - lse) summed over the heads of the group, max-pooled to blocks, in registers
+    # pass 2: P = exp2(s - lse) summed over the heads of the group, max-pooled to blocks (_pool_store);
+    # up to M_VIS from the products, then P = 0 (sub-blocks no query of the tile sees: no products)
     t_tok = tile * BT + tl.arange(0, BT)
-    m_split = tl.cdiv(M_VIS, BM) * BM  # past it no query of the tile sees a sub-block: P = 0 there, no products
-    for m0 in range(0, NB * R_SUB, BM):
+    carry = tl.full([BT], float("-inf"), tl.float32)
+    s_next = _qk(q, KS, bh, M, M_VIS, tl.arange(0, BM), offs_d, D)
+    for m0 in range(0, tl.cdiv(M_VIS, BM) * BM, BM):
         offs_m = m0 + tl.arange(0, BM)
-        if m0 < m_split:
-            ks = tl.load(KS + (bh * M + offs_m)[:, None] * D + offs_d[None, :], mask=(offs_m < M)[:, None],
-                         other=0.0)
-            p = tl.exp2(tl.dot(q, tl.trans(ks)) * scale2 - lse[:, None])
-            if m0 >= m_full:
-                vis = (offs_m[None, :] < M) & (offs_m[None, :] * S_C + L_C - 1 <= pos[:, None]) & row_ok[:, None]
-                p = tl.where(vis, p, 0.0)
-            P = tl.sum(tl.reshape(p, (BT, GP, BM)), 1)  # (BT, BM)
-        else:
-            P = tl.zeros([BT, BM], tl.float32)
-        P = tl.where((offs_m < M)[None, :], P, float("-inf"))  # sub-blocks that do not exist yet
-        P3 = tl.reshape(P, (BT, NBT, R_SUB))
-        own = tl.max(P3, 2)  # (BT, NBT): max over each block's own r sub-blocks
-        last = tl.max(tl.where(tl.arange(0, R_SUB)[None, None, :] >= R_SUB - P_OVER, P3, float("-inf")), 2)
-        blocks = m0 // R_SUB + tl.arange(0, NBT)
-        out = (bh * T + t_tok[:, None]) * NB + blocks[None, :]
-        ok = (t_tok[:, None] < T) & (blocks[None, :] < NB)
-        tl.store(OWN + out, own, mask=ok)
-        tl.store(LAST + out, last, mask=ok)
+        s = s_next
+        s_next = _qk(q, KS, bh, M, M_VIS, offs_m + BM, offs_d, D)
+        p = tl.exp2(s * scale2 - lse[:, None])
+        if m0 >= m_full:
+            vis = (offs_m[None, :] < M) & (offs_m[None, :] * S_C + L_C - 1 <= pos[:, None]) & row_ok[:, None]
+            p = tl.where(vis, p, 0.0)
+        P = tl.sum(tl.reshape(p, (BT, GP, BM)), 1)  # (BT, BM)
+        carry = _pool_store(P, m0, carry, OUT, bh, t_tok, T, M, NB, BT, NBT, R_SUB, P_OVER)
+    for m0 in range(tl.cdiv(M_VIS, BM) * BM, NB * R_SUB, BM):
+        carry = _pool_store(tl.zeros([BT, BM], tl.float32), m0, carry, OUT, bh, t_tok, T, M, NB, BT, NBT, R_SUB,
+                            P_OVER)
+
+
+@triton.jit
+def _qk(q, KS, bh, M, M_VIS, offs_m, offs_d, D: tl.constexpr):
+    """q · K̃ of the tile's rows against the compressed keys offs_m (zeros from M_VIS on): (ROWS, BM)."""
+    ks = tl.load(KS + (bh * M + offs_m)[:, None] * D + offs_d[None, :], mask=(offs_m < M_VIS)[:, None], other=0.0)
+    return tl.dot(q, tl.trans(ks))
+
+
+@triton.jit
+def _pool_store(P, m0, carry, OUT, bh, t_tok, T, M, NB, BT: tl.constexpr, NBT: tl.constexpr, R_SUB: tl.constexpr,
+                P_OVER: tl.constexpr):
+    """Stage 2 of the sub-blocks m0 .. m0 + NBT * r - 1, P (BT, NBT * r), into Q of their NBT blocks:
+    block b is overlapped by its own r sub-blocks and by the last p of block b - 1 (`last`, shifted by
+    one block; the tile's first block takes `carry`, the last p of the block before the tile).
+    Returns the carry of the next tile."""
+    i = tl.arange(0, NBT)
+    P = tl.where((m0 + tl.arange(0, NBT * R_SUB) < M)[None, :], P, float("-inf"))  # sub-blocks that do not exist yet
+    P3 = tl.reshape(P, (BT, NBT, R_SUB))
+    own = tl.max(P3, 2)  # (BT, NBT): max over each block's own r sub-blocks
+    last = tl.max(tl.where(tl.arange(0, R_SUB)[None, None, :] >= R_SUB - P_OVER, P3, float("-inf")), 2)
+    before = tl.gather(last, tl.maximum(i - 1, 0)[None, :] + 0 * t_tok[:, None], axis=1)  # last[:, j - 1]
+    before = tl.where(i[None, :] == 0, carry[:, None], before)
+    blocks = m0 // R_SUB + i
+    out = (bh * T + t_tok[:, None]) * NB + blocks[None, :]
+    tl.store(OUT + out, tl.maximum(own, before), mask=(t_tok[:, None] < T) & (blocks[None, :] < NB))
+    return tl.max(tl.where(i[None, :] == NBT - 1, last, float("-inf")), 1)
 
 
 def query_aware_scores_triton(q, K_sub, q_pos, nb, cfg):
@@ -165,16 +189,14 @@ def query_aware_scores_triton(q, K_sub, q_pos, nb, cfg):
     H_kv, M = K_sub.shape[1], K_sub.shape[2]
     G, GP = H_q // H_kv, triton.next_power_of_2(H_q // H_kv)
     r, p = cfg.B // cfg.s_c, (cfg.l_c - 1) // cfg.s_c
-    BT = max(1, 128 // GP)  # about 128 rows x 64 sub-blocks a tile, 2 stages: the fastest of a sweep (H200)
+    BT = max(1, 128 // GP)  # about 128 rows x 64 sub-blocks a tile, 4 warps, 3 stages: the fastest of a sweep (H200)
     NBT = max(1, 64 // r)
-    own = torch.empty(Bz, H_kv, T, nb, device=q.device, dtype=torch.float32)
-    last = torch.empty_like(own)
+    out = torch.empty(Bz, H_kv, T, nb, device=q.device, dtype=torch.float32)
     _qscore_kernel[(triton.cdiv(T, BT), Bz * H_kv)](
-        q.contiguous(), K_sub.contiguous(), q_pos.to(torch.int32).contiguous(), own, last, 1.0 / math.sqrt(D), T, M,
-        nb, H_kv=H_kv, G=G, GP=GP, D=D, BT=BT, R_SUB=r, P_OVER=p, S_C=cfg.s_c, L_C=cfg.l_c, NBT=NBT, num_warps=8,
-        num_stages=2)
-    # block b is also overlapped by the last p sub-blocks of block b - 1
-    return torch.maximum(own, F.pad(last, (1, 0), value=float("-inf"))[..., :nb])
+        q.contiguous(), K_sub.contiguous(), q_pos.to(torch.int32).contiguous(), out, 1.0 / math.sqrt(D), T, M,
+        nb, H_kv=H_kv, G=G, GP=GP, D=D, BT=BT, R_SUB=r, P_OVER=p, S_C=cfg.s_c, L_C=cfg.l_c, NBT=NBT, num_warps=4,
+        num_stages=3)
+    return out
 
 
 @triton.jit

@@ -130,17 +130,19 @@ def test_mask_to_indices():
     assert attention.mask_to_indices(m, 3).tolist() == [[0, 2, 3], [3, -1, -1]]
 
 
-@pytest.mark.parametrize("G, d, T, start, preset", [(1, 64, 50, 0, "tiny"), (4, 128, 83, 0, "tiny"),
-                                                    (16, 64, 40, 0, "tiny"), (2, 64, 300, 0, "paper"),
-                                                    (4, 32, 700, 0, "tiny"), (3, 32, 650, 0, "tiny"),
-                                                    (4, 32, 777, 301, "tiny")])
-def test_query_aware_score_kernel_matches_twin(G, d, T, start, preset):
+@pytest.mark.parametrize("G, d, T, start, preset, over", [
+    (1, 64, 50, 0, "tiny", {}), (4, 128, 83, 0, "tiny", {}), (16, 64, 40, 0, "tiny", {}), (2, 64, 300, 0, "paper", {}),
+    (4, 32, 700, 0, "tiny", {}), (3, 32, 650, 0, "tiny", {}), (4, 32, 777, 301, "tiny", {}),
+    (2, 32, 600, 0, "tiny", dict(l_c=12)), (2, 32, 600, 0, "tiny", dict(l_c=4))])
+def test_query_aware_score_kernel_matches_twin(G, d, T, start, preset, over):
     """The prefill's scoring kernel against the twin: the queries of positions start .. T-1 (a chunk)
     over the compressed keys of all T; long enough that most tiles see whole runs of sub-blocks
-    (read without masks), G not a power of two (padded heads: masks everywhere)."""
+    (read without masks) and the blocks span several of the kernel's steps (the overlap of a block's
+    sub-blocks with the next block carried across them; p = 2 and p = 0 too), G not a power of two
+    (padded heads: masks everywhere)."""
     import pooling
     from config import Config
-    cfg = Config.from_preset(preset)
+    cfg = Config.from_preset(preset, **over)
     Bz, H_kv = 2, 2
     q = torch.randn(Bz, H_kv * G, T - start, d, device=DEV)
     k = torch.randn(Bz, H_kv, T, d, device=DEV)
