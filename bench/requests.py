@@ -6,10 +6,12 @@ first token, prefill and decode speed, the whole run's time and its output token
 What is timed, on random weights: one P-token prefill through model.prefill at the chunk the plan
 chooses (after an untimed one, which compiles the kernels), with the decode cache of the whole batch
 allocated beside it (its peak memory beyond the weights and the cache is reported), and graphed
-decode steps of the whole batch at context P (the other rows filled with random K, V and c). The N
-requests are then composed from those two times: every prefill of a shape costs the same, and a
-step at context P is no slower than the steps after it for the sparse systems and faster for full
-attention, whose reads grow with the context, so the composition favours the baseline."""
+decode steps of the whole batch at context P (the other rows filled with random K, V and c), and
+of the last, smaller batch where N is not a multiple of the batch. The N requests are then composed
+from those times: every prefill of a shape costs the same, and a step at context P is no slower
+than the steps after it for the sparse systems and faster for full attention, whose reads grow with
+the context, so the composition favours the baseline."""
+import gc
 import statistics
 import time
 
@@ -31,13 +33,14 @@ def largest_plan(cfg, weights, requests, prompt_len, max_len, dtype, budget, hos
     return 0, (None, False)
 
 
-def compose(N, Bz, G, t_prefill, t_step):
-    """Static batches of Bz: (times to first token of the N requests, total seconds)."""
+def compose(N, Bz, G, t_prefill, t_step, t_step_last=None):
+    """Static batches of Bz: (times to first token of the N requests, total seconds). t_step_last: the
+    step of the last batch where it is smaller (N % Bz sequences), else t_step."""
     ttft, t = [], 0.0
     for first in range(0, N, Bz):
         n = min(Bz, N - first)
         ttft += [t + (i + 1) * t_prefill for i in range(n)]
-        t += n * t_prefill + (G - 1) * t_step
+        t += n * t_prefill + (G - 1) * (t_step if n == Bz or t_step_last is None else t_step_last)
     return ttft, t
 
 
@@ -86,33 +89,53 @@ def bench_requests(shape="8b", prompt_len=131072, new_tokens=(1024, 8192), reque
         prefill_peak = torch.cuda.max_memory_allocated() - base if cuda else 0
         if Bz > 1:  # the other rows: random prompts of the same length, as if prefilled
             fill_random(cache, cfg, Bz, prompt_len, dev, dtype, first=1)
-        step = GraphedDecode(model, cache)
-        tok = torch.randint(0, cfg.vocab_size, (Bz,), device=dev)
-        for _ in range(8):  # the first steps gather whole selections, compile and capture
-            tok = step(tok).argmax(-1)
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            tok = step(tok).argmax(-1)
-        sync()
-        t_step = (time.perf_counter() - t0) / steps
+        t_step = timed_steps(GraphedDecode(model, cache), Bz, cfg, steps, dev, sync)
+        last = requests % Bz if requests > Bz else 0  # the last batch's sequences, where it is smaller
+        if last:  # its own step, on a cache of that many rows
+            del cache
+            free(cuda)
+            cache = (offload.OffloadCache(cfg, last, dev, dtype, max_len=max_len, host_budget=host) if use_offload
+                     else KVCache(cfg, last, dev, dtype, max_len))
+            fill_random(cache, cfg, last, prompt_len, dev, dtype)
+            t_last = timed_steps(GraphedDecode(model, cache), last, cfg, steps, dev, sync)
+            row.update(last_batch=last, last_step_ms=round(t_last * 1e3, 2))
         row.update(ttft_one_s=round(t_prefill, 2), prefill_tokens_s=round(prompt_len / t_prefill),
                    decode_tokens_s=round(Bz / t_step, 1), step_ms=round(t_step * 1e3, 2),
                    prefill_gb_beyond=round(prefill_peak / 2**30, 2),
                    modelled_gb=round(offload.prefill_bytes(cfg, prompt_len, chunk, dtype, on_host) / 2**30, 2),
                    gpu_peak_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None)
         for G in new_tokens:
-            ttft, total = compose(requests, Bz, G, t_prefill, t_step)
+            ttft, total = compose(requests, Bz, G, t_prefill, t_step, t_last if last else None)
             row[f"G{G}"] = dict(ttft_median_s=round(statistics.median(ttft), 1), ttft_max_s=round(max(ttft), 1),
                                 total_s=round(total, 1), output_tokens_s=round(requests * G / total, 1))
         print(row, flush=True)
-        del cache, model, step
-        if cuda:
-            torch.cuda.empty_cache()
-            getattr(torch._C, "_host_emptyCache", lambda: None)()
+        del cache, model
+        free(cuda)
     for G in new_tokens:  # the ratios against full attention, per G
         base = next((r[f"G{G}"]["total_s"] for r in rows if r["system"].startswith("full") and f"G{G}" in r), None)
         for r in rows:
             if base and f"G{G}" in r:
                 r[f"G{G}"]["vs_full"] = round(base / r[f"G{G}"]["total_s"], 2)
     return rows
+
+
+def free(cuda):
+    """Give the memory of what was deleted back: the GPU's and the pinned host memory's caches."""
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+        getattr(torch._C, "_host_emptyCache", lambda: None)()
+
+
+def timed_steps(step, Bz, cfg, steps, dev, sync):
+    """Seconds per graphed decode step of Bz sequences (after 8 untimed ones: the first gather whole
+    selections, compile and capture)."""
+    tok = torch.randint(0, cfg.vocab_size, (Bz,), device=dev)
+    for _ in range(8):
+        tok = step(tok).argmax(-1)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        tok = step(tok).argmax(-1)
+    sync()
+    return (time.perf_counter() - t0) / steps
