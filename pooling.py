@@ -168,8 +168,8 @@ def _pool_store(P, m0, carry, OUT, bh, t_tok, T, M, NB, BT: tl.constexpr, NBT: t
                 P_OVER: tl.constexpr):
     """Stage 2 of the sub-blocks m0 .. m0 + NBT * r - 1, P (BT, NBT * r), into Q of their NBT blocks:
     block b is overlapped by its own r sub-blocks and by the last p of block b - 1 (`last`, shifted by
-    one block; the tile's first block takes `carry`, the last p of the block before the tile).
-    Returns the carry of the next tile."""
+    one block; the first of the NBT blocks takes `carry`, the last p of the block before them).
+    Returns the carry of the next NBT blocks."""
     i = tl.arange(0, NBT)
     P = tl.where((m0 + tl.arange(0, NBT * R_SUB) < M)[None, :], P, float("-inf"))  # sub-blocks that do not exist yet
     P3 = tl.reshape(P, (BT, NBT, R_SUB))
