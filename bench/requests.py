@@ -72,8 +72,9 @@ def bench_requests(shape="8b", prompt_len=131072, new_tokens=(1024, 8192), reque
         if Bz == 0:
             print(row, flush=True)
             continue
-        cache = (offload.OffloadCache(cfg, Bz, dev, dtype, max_len=max_len, host_budget=host) if use_offload
-                 else KVCache(cfg, Bz, dev, dtype, max_len))
+        new_cache = lambda n: (offload.OffloadCache(cfg, n, dev, dtype, max_len=max_len, host_budget=host)
+                               if use_offload else KVCache(cfg, n, dev, dtype, max_len))
+        cache = new_cache(Bz)
         idx = torch.randint(0, cfg.vocab_size, (1, prompt_len), device=dev)
         # a whole prefill first: it compiles every kernel the timed one launches (the selection kernel once per
         # power of two of the block count, which grows with the prompt), so the timed one is the steady state
@@ -94,8 +95,7 @@ def bench_requests(shape="8b", prompt_len=131072, new_tokens=(1024, 8192), reque
         if last:  # its own step, on a cache of that many rows
             del cache
             free(cuda)
-            cache = (offload.OffloadCache(cfg, last, dev, dtype, max_len=max_len, host_budget=host) if use_offload
-                     else KVCache(cfg, last, dev, dtype, max_len))
+            cache = new_cache(last)
             fill_random(cache, cfg, last, prompt_len, dev, dtype)
             t_last = timed_steps(GraphedDecode(model, cache), last, cfg, steps, dev, sync)
             row.update(last_batch=last, last_step_ms=round(t_last * 1e3, 2))
