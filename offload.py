@@ -322,6 +322,7 @@ class OffloadCache(Cache):
                               f"GiB: lower the batch")
         super().__init__(Bz, device)
         self.pin = self.device.type == "cuda"
+        self.writes = torch.cuda.Stream(self.device) if self.pin else None  # a prefill's copies to the store
         self.host = [self._host_alloc(R, cap, dtype) for _ in range(L)]
         self.pool = [torch.zeros(R, k + 1, 2, B, d, dtype=dtype, device=device) for _ in range(L)]
         self.tail = [p[:, k] for p in self.pool]  # the last slot holds the tail block
@@ -347,8 +348,9 @@ class OffloadCache(Cache):
         R, cap = old.shape[:2]
         if cap >= n:
             return
-        if self.pin:  # write-backs into the old store may still be in flight (flush_tails)
+        if self.pin:  # write-backs into the old store may still be in flight (flush_tails, prefill)
             torch.cuda.current_stream(self.device).synchronize()
+            self.writes.synchronize()
         self.host[layer] = self._host_alloc(R, max(n, 2 * cap), old.dtype)
         self.host[layer][:, :cap] = old
         table = torch.full((R, self.host[layer].shape[1]), -1, dtype=torch.long, device=self.device)
@@ -359,16 +361,23 @@ class OffloadCache(Cache):
         """One sequence's prompt: k, v (H_kv, T, d), c (H_kv, T). Whole blocks go to the host store,
         the rest to the tail; nothing is resident yet, so the first step gathers its selection."""
         cfg, T = self.cfg, k.shape[1]
-        n_full, r = T // cfg.B, torch.arange(seq * cfg.H_kv, (seq + 1) * cfg.H_kv)  # its rows
+        n_full, rows = T // cfg.B, range(seq * cfg.H_kv, (seq + 1) * cfg.H_kv)  # its rows
         self._ensure_blocks(layer, n_full + 1)
-        kv = torch.stack([k, v], 1)  # (H_kv, 2, T, d)
-        blocks = kv[:, :, :n_full * cfg.B].reshape(cfg.H_kv, 2, n_full, cfg.B, cfg.head_dim).transpose(1, 2)
-        for h, row in enumerate(r.tolist()):  # (n_full, 2, B, d) each: one contiguous copy into the pinned store
-            self.host[layer][row, :n_full].copy_(blocks[h])
-        self.tail[layer][r.to(self.device), :, :T - n_full * cfg.B] = kv[:, :, n_full * cfg.B:]
-        self.slot_block[layer][r.to(self.device)] = -1
-        self.block_slot[layer][r.to(self.device)] = -1
-        self.fresh[layer][r.to(self.device)] = True
+        whole = [x[:, :n_full * cfg.B].reshape(cfg.H_kv, n_full, cfg.B, cfg.head_dim) for x in (k, v)]
+        blocks = torch.stack(whole, 2)  # (H_kv, n_full, 2, B, d): the store's layout
+        if self.pin:  # to the pinned store on a stream of its own: the next layer computes meanwhile
+            self.writes.wait_stream(torch.cuda.current_stream(self.device))
+            blocks.record_stream(self.writes)  # its memory is not reused before the copies are done
+        with torch.cuda.stream(self.writes):  # (None: the current stream)
+            for h, row in enumerate(rows):  # one contiguous copy each
+                self.host[layer][row, :n_full].copy_(blocks[h], non_blocking=self.pin)
+        if self.pin and layer == cfg.n_layer - 1:  # what reads the store on the device comes after every copy
+            torch.cuda.current_stream(self.device).wait_stream(self.writes)
+        r = slice(rows.start, rows.stop)
+        self.tail[layer][r, :, :T - n_full * cfg.B] = torch.stack([k[:, n_full * cfg.B:], v[:, n_full * cfg.B:]], 1)
+        self.slot_block[layer][r] = -1
+        self.block_slot[layer][r] = -1
+        self.fresh[layer][r] = True
         if c is not None:
             self.c[layer] = grow(self.c[layer], T, 2)
             self.c[layer][seq, :, :T] = c
