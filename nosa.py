@@ -83,7 +83,7 @@ def select_blocks(Q, E, q_pos, cfg, core_ids=None):
     return torch.where(few, causal, forced | pick_q | pick_e)
 
 
-SELECT_ROWS = 2048  # queries scored and selected at a time: the temporaries are (SELECT_ROWS, nb), whatever T
+SELECT_ROWS = 4096  # queries scored and selected at a time: the temporaries are (SELECT_ROWS, nb), whatever T
 
 
 def select(q, K_sub, core_ids, q_pos, nb, cfg):

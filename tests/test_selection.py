@@ -223,12 +223,15 @@ def test_select_tiles_kernel_equals_twin(cfg, data, attn):
     assert torch.equal(attention.Tiles(*want, BT, T).mask(nb), mask)
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_parallel_selection_equals_decode_selection(tied):
+@pytest.mark.parametrize("tied, rows", [(False, None), (True, None), (False, 64)])
+def test_parallel_selection_equals_decode_selection(tied, rows, monkeypatch):
     """The selection of token t in the parallel forward equals that at step t of decoding, which
     scores from the incrementally pooled caches, both from c̃ and from each row's list of its best
     candidates by E that the eviction policy keeps (ragged batch, fp64 so no rounding ties in Q;
-    tied: eviction scores of three values, so E ties everywhere and the order among equals counts)."""
+    tied: eviction scores of three values, so E ties everywhere and the order among equals counts;
+    rows: the parallel forward scores and selects that many queries at a time, not all 300 at once)."""
+    if rows:
+        monkeypatch.setattr(nosa, "SELECT_ROWS", rows)
     cfg = Config.from_preset("tiny", n_layer=1, B=8, l_c=8, s_c=2, n_win=1, k=6, k_q=2)
     Bz, T = 2, 300
     q = torch.randn(Bz, cfg.H_q, T, cfg.head_dim, dtype=torch.float64)
