@@ -120,34 +120,38 @@ def _tile_rows(t0, bh, T, H_kv: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
 
 
 @triton.jit
-def _scores(q, kb, C, QPOS, bits, b, bh, t, t0, row_ok, blk, T, S, scale, B: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _scores(q, kb, C, QPOS, bits, b, c_row, t, t0, row_ok, blk, T, S, scale, B: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Logits (ROWS, B) of a query tile against key block blk, and which of them are allowed: the
-    row's token selected the block (its bit) and the key is not after it."""
+    row's token selected the block (its bit) and the key is not after it. c_row: where the KV head's
+    bias starts in C."""
     tok = blk * B + tl.arange(0, B)
     pos = tl.load(QPOS + b * T + t, mask=row_ok, other=-1)
     sel = ((bits >> (t - t0)) & 1) > 0
     ok = sel[:, None] & (tok[None, :] <= pos[:, None]) & (tok[None, :] < S)
     s = tl.dot(q, tl.trans(kb)) * scale
     if HAS_BIAS:
-        s += tl.load(C + bh * S + tok, mask=tok < S, other=0.0)[None, :]
+        s += tl.load(C + c_row + tok, mask=tok < S, other=0.0)[None, :]
     return s, ok
 
 
 @triton.jit
-def _load_block(K, V, bh, blk, S, D: tl.constexpr, B: tl.constexpr):
-    """K and V of key block blk, (B, D) each; zeros past the end."""
+def _load_block(K, V, kv_row, blk, S, D: tl.constexpr, B: tl.constexpr):
+    """K and V of key block blk, (B, D) each, of the KV head whose keys start at kv_row; zeros past the end."""
     tok = blk * B + tl.arange(0, B)
-    kv = (bh * S + tok[:, None]) * D + tl.arange(0, D)[None, :]
+    kv = kv_row + tok[:, None] * D + tl.arange(0, D)[None, :]
     return tl.load(K + kv, mask=(tok < S)[:, None], other=0.0), tl.load(V + kv, mask=(tok < S)[:, None], other=0.0)
 
 
 @triton.jit
-def _sparse_fwd(Q, K, V, C, T_IDX, T_BITS, T_N, QPOS, O, LSE, scale, T, S, U,
+def _sparse_fwd(Q, K, V, C, T_IDX, T_BITS, T_N, QPOS, O, LSE, scale, T, S, U, KV_B, KV_H, C_B, C_H,
                 H_kv: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
                 BT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """KV_B, KV_H (C_B, C_H): the batch and head strides of K and V (of C), which may be views of
+    longer buffers (a prefill's keys so far); q, o and the keys of one head are contiguous."""
     tile, bh = tl.program_id(0), tl.program_id(1)
     t0, prog = tile * BT, bh * tl.num_programs(0) + tile
     b, t, row_ok, rows = _tile_rows(t0, bh, T, H_kv, G, GP, BT * GP)
+    kv_row, c_row = b * KV_B + (bh % H_kv) * KV_H, b * C_B + (bh % H_kv) * C_H
     offs_d = tl.arange(0, D)
     q = tl.load(Q + rows[:, None] * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     m_i = tl.full([BT * GP], float("-inf"), tl.float32)
@@ -155,8 +159,8 @@ def _sparse_fwd(Q, K, V, C, T_IDX, T_BITS, T_N, QPOS, O, LSE, scale, T, S, U,
     acc = tl.zeros([BT * GP, D], tl.float32)
     for i in range(tl.load(T_N + prog)):  # the union of the blocks the tile's tokens selected, each read once for all
         blk, bits = tl.load(T_IDX + prog * U + i), tl.load(T_BITS + prog * U + i)
-        kb, vb = _load_block(K, V, bh, blk, S, D, B)
-        s, ok = _scores(q, kb, C, QPOS, bits, b, bh, t, t0, row_ok, blk, T, S, scale, B, HAS_BIAS)
+        kb, vb = _load_block(K, V, kv_row, blk, S, D, B)
+        s, ok = _scores(q, kb, C, QPOS, bits, b, c_row, t, t0, row_ok, blk, T, S, scale, B, HAS_BIAS)
         s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing allowed yet: add nothing
@@ -185,8 +189,8 @@ def _sparse_bwd_dq(Q, K, V, C, T_IDX, T_BITS, T_N, QPOS, DO, LSE, DELTA, DQ, sca
     dq = tl.zeros([BT * GP, D], tl.float32)
     for i in range(tl.load(T_N + prog)):
         blk, bits = tl.load(T_IDX + prog * U + i), tl.load(T_BITS + prog * U + i)
-        kb, vb = _load_block(K, V, bh, blk, S, D, B)
-        s, ok = _scores(q, kb, C, QPOS, bits, b, bh, t, t0, row_ok, blk, T, S, scale, B, HAS_BIAS)
+        kb, vb = _load_block(K, V, bh * S * D, blk, S, D, B)
+        s, ok = _scores(q, kb, C, QPOS, bits, b, bh * S, t, t0, row_ok, blk, T, S, scale, B, HAS_BIAS)
         p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
         ds = p * (tl.dot(do, tl.trans(vb)) - delta[:, None])
         dq += tl.dot(ds.to(kb.dtype), kb)
@@ -218,7 +222,7 @@ def _sparse_bwd_dkv(Q, K, V, C, REV_OFF, REV_TILE, REV_BITS, QPOS, DO, LSE, DELT
             do = tl.load(DO + rows[:, None] * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
             lse = tl.load(LSE + rows, mask=row_ok, other=0.0)
             delta = tl.load(DELTA + rows, mask=row_ok, other=0.0)
-            s, ok = _scores(q, kb, C, QPOS, bits, b, bh, t, t0, row_ok, blk, T, S, scale, B, HAS_BIAS)
+            s, ok = _scores(q, kb, C, QPOS, bits, b, bh * S, t, t0, row_ok, blk, T, S, scale, B, HAS_BIAS)
             p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)  # (ROWS, B)
             dv += tl.dot(tl.trans(p).to(do.dtype), do)
             ds = p * (tl.dot(do, tl.trans(vb)) - delta[:, None])
@@ -271,14 +275,16 @@ class SparseAttention(torch.autograd.Function):
         H_kv, S = k.shape[1], k.shape[2]
         G = H_q // H_kv
         nT, U = sel.idx.shape[2], sel.idx.shape[3]
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        q, k, v = q.contiguous(), rows_contiguous(k), rows_contiguous(v)  # a prefill's keys so far: views, not copied
+        if k.stride() != v.stride():
+            k, v = k.contiguous(), v.contiguous()
         q_pos = q_pos.to(torch.int32).contiguous()
-        c = fp32(bias).contiguous() if bias is not None else q.new_empty(1, dtype=torch.float32)
+        c = rows_contiguous(fp32(bias)) if bias is not None else q.new_empty(1, 1, 1, dtype=torch.float32)
         o = torch.empty_like(q)
         lse = torch.empty(Bz, H_q, T, device=q.device, dtype=torch.float32)
         meta = dict(H_kv=H_kv, G=G, GP=triton.next_power_of_2(G), D=D, B=B, BT=sel.BT, HAS_BIAS=bias is not None)
         _sparse_fwd[(nT, Bz * H_kv)](q, k, v, c, sel.idx, sel.bits, sel.n, q_pos, o, lse, 1.0 / math.sqrt(D), T, S,
-                                    U, **meta, **LAUNCH)
+                                    U, k.stride(0), k.stride(1), c.stride(0), c.stride(1), **meta, **LAUNCH)
         ctx.save_for_backward(q, k, v, c, sel.idx, sel.bits, sel.n, q_pos, o, lse)
         ctx.meta, ctx.BT = meta, sel.BT
         return o
@@ -286,6 +292,7 @@ class SparseAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, c, idx, bits, n, q_pos, o, lse = ctx.saved_tensors
+        k, v, c = k.contiguous(), v.contiguous(), c.contiguous()  # (training's are)
         meta = ctx.meta
         Bz, H_q, T, D = q.shape
         H_kv, S = k.shape[1], k.shape[2]
@@ -304,6 +311,12 @@ class SparseAttention(torch.autograd.Function):
             q, k, v, c, off, rev_tile, rev_bits, q_pos, do, lse, delta, dk, dv, dc, scale, T, S, nb,
             CHUNK=chunk, **meta, **LAUNCH_BWD)
         return dq, dk.to(k.dtype), dv.to(v.dtype), (dc if meta["HAS_BIAS"] else None), None, None, None
+
+
+def rows_contiguous(x):
+    """x, or a contiguous copy where its last dim (the last two for K and V: a head's keys) is not."""
+    ok = x.stride(-1) == 1 and (x.dim() < 4 or x.stride(-2) == x.shape[-1])
+    return x if ok else x.contiguous()
 
 
 def use_triton(x, B):

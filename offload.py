@@ -198,7 +198,7 @@ def prefill_bytes(cfg, T, C, dtype, stream_on_host=False):
     """GPU bytes a chunked prefill of a T-token prompt needs beyond the weights and the cache
     (model.Transformer.prefill), C tokens a chunk: the prompt's residual stream (T, dim), or the next
     chunk of it when it is kept in host memory, one layer's K, V, c and pooled caches and a copy of
-    them (the attention kernel reads the keys so far contiguous; the cache's prefill stacks K and V),
+    them (the cache's prefill stacks K and V),
     and the largest of one chunk's activations: RoPE in fp32, scoring and selection (nosa.SELECT_ROWS
     queries at a time, over nb blocks; the selection kept as tiles), the MLP. A bound checked against
     the measured peak on the GPU."""
