@@ -22,6 +22,7 @@ import checkpoint
 import common
 import config
 import fast
+import memory
 import offload as nosi  # NOSI, the offloaded cache (`offload` is a flag here)
 from config import Config
 from kvcache import KVCache
@@ -141,7 +142,7 @@ def main(checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, prompt=DEFAULT_PROMPT, ma
     the checkpoint's end-of-sequence token. chat: wrap each prompt in the checkpoint's chat template.
     profile: write a trace of the timed generation there (open it in chrome://tracing or Perfetto);
     the decode step marks its selection, transfer and attention as ranges. gpu_budget, host_budget
-    (GiB): what the weights, the cache and the activations may take (offload.plan_memory), checked
+    (GiB): what the weights, the cache and the activations may take (memory.plan_memory), checked
     before anything is allocated; the GPU's default is its free memory. random: no checkpoint, a
     randomly initialised model of that preset (config.PRESETS). prompt_len: cycle each prompt's tokens
     to that length. chunk: the prefill's chunk (default: the largest the budget allows)."""
@@ -196,8 +197,8 @@ def main(checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, prompt=DEFAULT_PROMPT, ma
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     gpu = gpu_budget * 2**30 if gpu_budget else (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_allocated(
         device) if device.type == "cuda" else None)
-    host = host_budget * 2**30 if host_budget else (nosi.host_bytes_available() if offload else None)
-    chunk, on_host = nosi.plan_memory(model.cfg, weights, batch, P, max_len, dtype, gpu, host, offload, chunk)
+    host = host_budget * 2**30 if host_budget else (memory.host_bytes_available() if offload else None)
+    chunk, on_host = memory.plan_memory(model.cfg, weights, batch, P, max_len, dtype, gpu, host, offload, chunk)
     ids = [ids[i % n_prompts] for i in range(batch)]  # prompts are cycled over the batch
     fast.prepare(model, batch * max_new_tokens, sum(map(len, ids)))  # fused weights; compiled for long runs
     if offload:

@@ -196,7 +196,7 @@ class Transformer(nn.Module):
         exactly as the parallel forward's would, over the keys of this and the earlier chunks; when a
         layer has read the whole prompt, its keys, values and eviction scores go to the cache. So the
         memory beyond the cache is the prompt's residual stream (T, dim), one layer's K, V and c, and
-        one chunk's activations (offload.prefill_bytes), never the logits of every position.
+        one chunk's activations (memory.prefill_bytes), never the logits of every position.
         stream_on_host: keep the residual stream in pinned host memory, a chunk at a time on the GPU
         (for a budget where it does not fit beside the cache). progress(fraction) after each layer.
         block(layer, x, rope, prompt, start): a block's forward (fast.block_prefill computes the same faster)."""

@@ -39,9 +39,9 @@ from torch.profiler import record_function
 import decode
 import eviction
 import fast
-import nosa
 import transfer
 from kvcache import Cache, SubBlockCache, grow
+from memory import cache_bytes, host_bytes_available
 
 
 def needed_blocks(sel, pos, active, H_kv, B, k):
@@ -164,114 +164,6 @@ class Stats:
 # The offloaded cache
 
 
-def cache_bytes(cfg, Bz, max_len, dtype, offload=True):
-    """(GPU bytes, host bytes) of the KV cache of Bz sequences of up to max_len tokens: with offload,
-    k + 1 slots of K and V per (sequence, layer, KV head) on the GPU and every block in host memory;
-    without, all of K and V on the GPU (kvcache.KVCache). Besides, on the GPU, what the mode needs:
-    the eviction scores c (fp32; nosa, dma) and the pooled caches K̃, c̃ (sparse modes); full attention
-    needs neither. The weights are not counted."""
-    L, H, B, d, k = cfg.n_layer, cfg.H_kv, cfg.B, cfg.head_dim, cfg.k
-    elt = torch.empty((), dtype=dtype).element_size()
-    unit = 2 * B * d * elt  # one block of K and V
-    side = L * Bz * H * ((max_len * 4 if cfg.eviction_head else 0) +
-                         ((max_len // cfg.s_c + 1) * (d * elt + 4) if cfg.sparse else 0))
-    if not offload:
-        return L * Bz * H * max_len * 2 * d * elt + side, 0
-    return L * Bz * H * (k + 1) * unit + side, L * Bz * H * math.ceil(max_len / B) * unit
-
-
-def max_batch(cfg, max_len, dtype, gpu_budget, host_budget=None, offload=True, limit=4096):
-    """The largest batch whose cache fits both budgets (0 if none does)."""
-    fits = lambda n: all(need <= budget for need, budget in zip(cache_bytes(cfg, n, max_len, dtype, offload),
-                                                                 (gpu_budget, host_budget)) if budget is not None)
-    lo, hi = 0, limit
-    while lo < hi:  # binary search: the cache grows with the batch
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-    return lo
-
-
-PREFILL_CHUNKS = (8192, 4096, 2048, 1024, 512, 256)  # the chunk sizes a prefill may take, largest first
-
-
-def prefill_bytes(cfg, T, C, dtype, stream_on_host=False):
-    """GPU bytes a chunked prefill of a T-token prompt needs beyond the weights and the cache
-    (model.Transformer.prefill), C tokens a chunk: the prompt's residual stream (T, dim), or the next
-    chunk of it when it is kept in host memory, one layer's K, V, c and pooled caches and a copy of
-    them (the cache's prefill stacks K and V),
-    and the largest of one chunk's activations: RoPE in fp32, scoring and selection (nosa.SELECT_ROWS
-    queries at a time, over nb blocks; the selection kept as tiles), the MLP. A bound checked against
-    the measured peak on the GPU."""
-    H, H_q, d, dim = cfg.H_kv, cfg.H_q, cfg.head_dim, cfg.dim
-    elt, C = torch.empty((), dtype=dtype).element_size(), min(C, T)
-    nb = math.ceil(T / cfg.B)
-    whole = (0 if stream_on_host else T * dim * elt) + 2 * H * T * (2 * d * elt + 4) + H * (T // cfg.s_c + 1) * (
-        d * elt + 4)
-    # q, k, v; the selection as tiles (attention.Tiles: at most k block ids and bits a query, int32)
-    live = 2 * (H_q + 2 * H) * d * elt + 4 * dim * elt + (H * 8 * cfg.k if cfg.sparse else 0)
-    select = min(C, nosa.SELECT_ROWS) * H * nb * 20 if cfg.sparse else 0  # the scores Q and their parts, fp32
-    peak = max(16 * H_q * d, 4 * cfg.hidden_dim * elt + dim * (8 + 2 * elt)) * C
-    ahead = C * dim * elt if stream_on_host else 0  # the next chunk of the stream, on its way (kvcache.ResidualStream)
-    return whole + C * live + ahead + max(select, peak) + 2**27  # and 128 MiB for workspaces
-
-
-def decode_bytes(cfg, Bz, max_len, dtype):
-    """GPU bytes a decode step needs beyond the weights and the cache, its activations (a bound
-    checked against the step's measured peak on the GPU): per sequence the scores of the compressed
-    keys and of the blocks, the logits, the MLP; two micro-batches' worth, and 512 MiB besides."""
-    elt, M, nb = torch.empty((), dtype=dtype).element_size(), max_len // cfg.s_c + 1, math.ceil(max_len / cfg.B)
-    per_seq = cfg.H_kv * (16 * M * 4 + nb * 16) + cfg.vocab_size * 8 + 4 * cfg.hidden_dim * elt + 8 * cfg.dim * 4
-    return 2**29 + 2 * Bz * per_seq
-
-
-def plan_memory(cfg, weights, Bz, prompt_len, max_len, dtype, gpu_budget=None, host_budget=None, offload=True,
-                chunk=None):
-    """Check a generation against the memory budgets before anything is allocated: the weights, the
-    cache of Bz sequences of up to max_len tokens (cache_bytes), and the larger of a prefill's working
-    memory (prompts of up to prompt_len tokens) and a decode step's. Returns the prefill's chunk
-    (`chunk`, or the largest of PREFILL_CHUNKS that fits) and whether the prompt's residual stream
-    must wait in host memory (when it does not fit on the GPU beside the cache). A budget that does
-    not fit is a MemoryError that says what does."""
-    def gib(n):
-        return f"{n / 2**30:.2f} GiB"
-
-    need_gpu, need_host = cache_bytes(cfg, Bz, max_len, dtype, offload)
-    if host_budget is not None and need_host > host_budget:
-        n = max_batch(cfg, max_len, dtype, None, host_budget, offload)
-        raise MemoryError(f"the host KV store needs {gib(need_host)} for batch {Bz} x {max_len} tokens, but "
-                          f"{gib(host_budget)} is available: at most {n} sequences of that length fit")
-    chunks = [chunk] if chunk else [c for c in PREFILL_CHUNKS if c < prompt_len] or [prompt_len]
-    if gpu_budget is None:
-        return chunks[0], False
-    room = gpu_budget - weights - need_gpu
-    if room >= decode_bytes(cfg, Bz, max_len, dtype):
-        for c in chunks:  # large chunks first (fewer, larger matrix products), then the residual stream on the GPU
-            for on_host in (False, True):
-                if prefill_bytes(cfg, prompt_len, c, dtype, on_host) <= room:
-                    return c, on_host
-    least = prefill_bytes(cfg, prompt_len, min(chunks), dtype, True)
-    n = 0
-    while n < Bz and weights + cache_bytes(cfg, n + 1, max_len, dtype, offload)[0] + max(
-            least, decode_bytes(cfg, n + 1, max_len, dtype)) <= gpu_budget:
-        n += 1
-    raise MemoryError(f"a GPU budget of {gib(gpu_budget)} does not fit: the weights take {gib(weights)}, the cache of "
-                      f"batch {Bz} x {max_len} tokens {gib(need_gpu)}, which leaves {gib(room)} where a prefill of "
-                      f"{prompt_len} tokens needs {gib(least)} (chunks of {min(chunks)}) and a decode step "
-                      f"{gib(decode_bytes(cfg, Bz, max_len, dtype))}: "
-                      + (f"at most {n} sequences fit" if n else "not even one sequence fits; raise the budget"))
-
-
-def host_bytes_available():
-    """What the host store may take by default: the memory the OS reports available, less a margin
-    for the process itself (a tenth of it, at least 4 GiB, at most half)."""
-    try:
-        with open("/proc/meminfo") as f:
-            avail = int(next(l for l in f if l.startswith("MemAvailable")).split()[1]) * 1024
-    except (OSError, StopIteration):
-        return None
-    return avail - min(max(avail // 10, 4 * 2**30), avail // 2)
-
-
 def pinned_empty(shape, dtype):
     """Page-locked host memory that GPU kernels read directly (UVA), of exactly its size. torch's
     pinned allocator rounds each request up to a power of two (a 1.4 GiB layer store pins 2 GiB),
@@ -295,7 +187,7 @@ class OffloadCache(Cache):
     job, as generate.py does."""
 
     # the buffers, one tensor per layer each: those with a row per (sequence, KV head), and those with a
-    # row per sequence (split slices both; the memory model, cache_bytes, counts them; a test checks both)
+    # row per sequence (split slices both; the memory model, memory.cache_bytes, counts them; a test checks both)
     ROWS = ("host", "pool", "tail", "slot_block", "block_slot", "fetch", "fresh")
     SEQS = ("c",)
 

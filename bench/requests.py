@@ -1,5 +1,5 @@
 """Whole requests at a GPU memory budget: N prompts of P tokens, G new tokens each, every system at
-the largest batch the memory model (offload.plan_memory) gives it, in static batches (a batch is
+the largest batch the memory model (memory.plan_memory) gives it, in static batches (a batch is
 prefilled one prompt at a time, then decodes; the next batch waits). Reported per system: time to
 first token, prefill and decode speed, the whole run's time and its output tokens/s.
 
@@ -17,6 +17,7 @@ import time
 
 import torch
 
+import memory
 import offload
 from bench.throughput import SHAPES, SYSTEMS, fill_random
 from config import Config
@@ -26,7 +27,7 @@ def largest_plan(cfg, weights, requests, prompt_len, max_len, dtype, budget, hos
     """The largest batch up to `requests` that plan_memory accepts, with its (chunk, stream_on_host)."""
     for Bz in range(requests, 0, -1):
         try:
-            return Bz, offload.plan_memory(cfg, weights, Bz, prompt_len, max_len, dtype, budget,
+            return Bz, memory.plan_memory(cfg, weights, Bz, prompt_len, max_len, dtype, budget,
                                            host if use_offload else None, use_offload)
         except MemoryError:
             continue
@@ -56,7 +57,7 @@ def bench_requests(shape="8b", prompt_len=131072, new_tokens=(1024, 8192), reque
     preset, over = SHAPES[shape]
     max_len = prompt_len + max(new_tokens)
     budget = budget_gb * 2**30
-    host = host_gb * 2**30 if host_gb else offload.host_bytes_available()
+    host = host_gb * 2**30 if host_gb else memory.host_bytes_available()
     rows = []
     for name in systems:
         label, attn, use_offload = SYSTEMS[name]
@@ -102,7 +103,7 @@ def bench_requests(shape="8b", prompt_len=131072, new_tokens=(1024, 8192), reque
         row.update(ttft_one_s=round(t_prefill, 2), prefill_tokens_s=round(prompt_len / t_prefill),
                    decode_tokens_s=round(Bz / t_step, 1), step_ms=round(t_step * 1e3, 2),
                    prefill_gb_beyond=round(prefill_peak / 2**30, 2),
-                   modelled_gb=round(offload.prefill_bytes(cfg, prompt_len, chunk, dtype, on_host) / 2**30, 2),
+                   modelled_gb=round(memory.prefill_bytes(cfg, prompt_len, chunk, dtype, on_host) / 2**30, 2),
                    gpu_peak_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None)
         for G in new_tokens:
             ttft, total = compose(requests, Bz, G, t_prefill, t_step, t_last if last else None)

@@ -5,6 +5,7 @@ import torch
 
 import checkpoint
 import fast
+import memory
 import offload
 import transfer
 from bench import hbm_bandwidth, pinned_bandwidth
@@ -85,7 +86,7 @@ SYSTEMS = {"full": ("full, resident cache", "full", False),
 def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, warmup=8, batch_limit=256,
                      host_gb=None, ckpts=None, eager_steps=8, systems=tuple(SYSTEMS), micro_batches=(2,)):
     """Steady-state decode tokens/s at a fixed GPU memory budget. Each system gets the largest batch
-    whose weights + KV cache (offload.cache_bytes) + activations fit the budget, the activations
+    whose weights + KV cache (memory.cache_bytes) + activations fit the budget, the activations
     measured: the peak of a graphed step at two batch sizes beyond the cache, extrapolated linearly
     (activation_bytes); the peak of the timed run is reported beside the budget; batch_limit caps
     every batch. With random weights (the default) the cache is filled with random K, V, c through the
@@ -110,7 +111,7 @@ def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, w
     if not ckpts:
         print("random weights: the query-aware picks are random, so hit rates sit near the guaranteed bound "
               "(hit_rate_bound), not at a trained model's")
-    host_budget = host_gb * 2**30 if host_gb else offload.host_bytes_available()
+    host_budget = host_gb * 2**30 if host_gb else memory.host_bytes_available()
     rows, prompts = [], None
     runs = [(SYSTEMS[s], m) for s in systems for m in (micro_batches if SYSTEMS[s][2] else (1,))]
     for (system, attn, use_offload), mb in runs:
@@ -128,9 +129,9 @@ def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, w
                                if use_offload else KVCache(cfg, n, dev, dtype, max_len))
         act0, act1 = activation_bytes(model, new_cache, prompt_len, mb) if cuda else (0, 0)
         free = budget_gb * 2**30 - weights
-        Bz = min(batch_limit, offload.max_batch(cfg, max_len, dtype, free - act0, host_budget if use_offload else None,
+        Bz = min(batch_limit, memory.max_batch(cfg, max_len, dtype, free - act0, host_budget if use_offload else None,
                                                 offload=use_offload))
-        while Bz and offload.cache_bytes(cfg, Bz, max_len, dtype, use_offload)[0] + act0 + act1 * Bz > free:
+        while Bz and memory.cache_bytes(cfg, Bz, max_len, dtype, use_offload)[0] + act0 + act1 * Bz > free:
             Bz -= 1
         row = dict(system=system, micro_batches=mb, batch=Bz)
         rows.append(row)

@@ -129,11 +129,11 @@ def test_requests_bench_small():
     assert ttft == [1.0, 2.0, 3.9, 4.9, 6.8] and total == pytest.approx(5 * 1.0 + 3 * 9 * 0.1)
     ttft, total = compose(5, 2, 10, 1.0, 0.1, 0.05)  # the last batch, of one, steps faster
     assert ttft == [1.0, 2.0, 3.9, 4.9, 6.8] and total == pytest.approx(5 * 1.0 + 2 * 9 * 0.1 + 9 * 0.05)
-    import offload
+    import memory
     cfg, P, G = Config.from_preset("tiny", attn="full"), 600, 16
     weights = 4 * sum(p.numel() for p in __import__("model").Transformer(cfg).parameters())
-    need = lambda n: weights + offload.cache_bytes(cfg, n, P + G, torch.float32, False)[0] + max(
-        offload.decode_bytes(cfg, n, P + G, torch.float32), offload.prefill_bytes(cfg, P, 512, torch.float32))
+    need = lambda n: weights + memory.cache_bytes(cfg, n, P + G, torch.float32, False)[0] + max(
+        memory.decode_bytes(cfg, n, P + G, torch.float32), memory.prefill_bytes(cfg, P, 512, torch.float32))
     budget = (need(2) + need(3)) / 2 / 2**30  # full attention fits 2 sequences
     rows = bench_requests(shape="tiny", prompt_len=P, new_tokens=(G,), requests=5, budget_gb=budget, steps=2,
                           systems=("nosa-offload", "full"))

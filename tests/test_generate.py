@@ -110,25 +110,25 @@ def test_without_the_embedded_model_a_random_one_runs(monkeypatch, capsys):
 
 
 def test_memory_plan_picks_the_chunk_and_says_what_fits():
-    """The memory model (offload.plan_memory) at the 8b shape, 128K prompts, 24 GiB: a batch that fits
+    """The memory model (memory.plan_memory) at the 8b shape, 128K prompts, 24 GiB: a batch that fits
     gets the largest chunk that fits, and one sequence more is refused with the batch that does."""
-    import offload
+    import memory
     from config import Config
     cfg = Config.from_preset("paper-8b")
     weights, P, budget = 15.66e9, 131072, 24 * 2**30
     with pytest.raises(MemoryError, match=r"at most \d+ sequences fit") as e:
-        offload.plan_memory(cfg, weights, 40, P, P + 1024, torch.bfloat16, budget)
+        memory.plan_memory(cfg, weights, 40, P, P + 1024, torch.bfloat16, budget)
     n = int(str(e.value).split("at most ")[1].split()[0])
-    chunk, on_host = offload.plan_memory(cfg, weights, n, P, P + 1024, torch.bfloat16, budget)
-    assert chunk in offload.PREFILL_CHUNKS and n >= 28  # the benchmark's batch, with a prefill beside it
-    assert offload.prefill_bytes(cfg, P, chunk, torch.bfloat16, on_host) < 3e9  # bounded by the chunk, not T x vocab
+    chunk, on_host = memory.plan_memory(cfg, weights, n, P, P + 1024, torch.bfloat16, budget)
+    assert chunk in memory.PREFILL_CHUNKS and n >= 28  # the benchmark's batch, with a prefill beside it
+    assert memory.prefill_bytes(cfg, P, chunk, torch.bfloat16, on_host) < 3e9  # bounded by the chunk, not T x vocab
     with pytest.raises(MemoryError, match="at most"):
-        offload.plan_memory(cfg, weights, n + 1, P, P + 1024, torch.bfloat16, budget)
+        memory.plan_memory(cfg, weights, n + 1, P, P + 1024, torch.bfloat16, budget)
     with pytest.raises(MemoryError, match="host KV store needs .* at most 1 sequences"):
-        offload.plan_memory(cfg, weights, 2, P, P, torch.bfloat16, host_budget=offload.cache_bytes(cfg, 1, P,
+        memory.plan_memory(cfg, weights, 2, P, P, torch.bfloat16, host_budget=memory.cache_bytes(cfg, 1, P,
                                                                                                    torch.bfloat16)[1])
-    small = offload.prefill_bytes(cfg, P, 512, torch.bfloat16)
-    assert small < offload.prefill_bytes(cfg, P, 4096, torch.bfloat16)  # smaller chunks, less memory
+    small = memory.prefill_bytes(cfg, P, 512, torch.bfloat16)
+    assert small < memory.prefill_bytes(cfg, P, 4096, torch.bfloat16)  # smaller chunks, less memory
 
 
 def test_a_gpu_budget_too_small_is_one_line(capsys):
@@ -152,8 +152,9 @@ def test_random_model_with_a_long_prompt_in_chunks(capsys):
 @torch.no_grad()  # as generate runs
 def test_prefill_and_decode_stay_within_the_memory_model():
     """The peak of a chunked prefill beyond the weights and the cache (its residual stream on the GPU,
-    or in host memory) is within offload.prefill_bytes, and not far below it; a graphed decode step's
-    is within offload.decode_bytes."""
+    or in host memory) is within memory.prefill_bytes, and not far below it; a graphed decode step's
+    is within memory.decode_bytes."""
+    import memory
     import offload
     from config import Config
     cfg = Config.from_preset("paper", n_layer=2, vocab_size=32000)
@@ -169,7 +170,7 @@ def test_prefill_and_decode_stay_within_the_memory_model():
         model.prefill(idx, cache, 0, C, stream_on_host=on_host)
         torch.cuda.synchronize()
         used = torch.cuda.max_memory_allocated() - base
-        model_bytes = offload.prefill_bytes(cfg, P, C, torch.bfloat16, on_host)
+        model_bytes = memory.prefill_bytes(cfg, P, C, torch.bfloat16, on_host)
         print(f"prefill, stream on host {on_host}: {used / 2**20:.0f} MiB measured, "
               f"{model_bytes / 2**20:.0f} MiB modelled")
         assert used <= model_bytes and used >= model_bytes / 4, on_host
@@ -180,7 +181,7 @@ def test_prefill_and_decode_stay_within_the_memory_model():
         tok = step(tok).argmax(-1)
     torch.cuda.synchronize()
     used = torch.cuda.max_memory_allocated() - base
-    assert used <= offload.decode_bytes(cfg, 2, P + 64, torch.bfloat16), used
+    assert used <= memory.decode_bytes(cfg, 2, P + 64, torch.bfloat16), used
 
 
 def test_same_behaviour_from_any_directory(tmp_path, monkeypatch, capsys):

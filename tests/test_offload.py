@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fast
+import memory
 import offload
 import transfer
 from generate import generate
@@ -139,13 +140,13 @@ def test_budgets_and_modes_raise_before_allocating():
     with pytest.raises(MemoryError, match="GPU slot pool needs .* lower the batch"):
         OffloadCache(model.cfg, 64, "cpu", torch.float32, max_len=1024, gpu_budget=1 << 16)
     # the largest batch that fits is accepted, one more is refused
-    gpu, host = offload.cache_bytes(model.cfg, 10, 1024, torch.float32)
-    n = offload.max_batch(model.cfg, 1024, torch.float32, gpu_budget=gpu + 1, host_budget=host * 2)
+    gpu, host = memory.cache_bytes(model.cfg, 10, 1024, torch.float32)
+    n = memory.max_batch(model.cfg, 1024, torch.float32, gpu_budget=gpu + 1, host_budget=host * 2)
     assert n == 10
     OffloadCache(model.cfg, n, "cpu", torch.float32, max_len=1024, gpu_budget=gpu + 1, host_budget=host * 2)
     with pytest.raises(MemoryError, match="GPU slot pool needs"):
         OffloadCache(model.cfg, n + 1, "cpu", torch.float32, max_len=1024, gpu_budget=gpu + 1, host_budget=host * 2)
-    resident = offload.max_batch(model.cfg, 1024, torch.float32, gpu_budget=gpu + 1, offload=False)
+    resident = memory.max_batch(model.cfg, 1024, torch.float32, gpu_budget=gpu + 1, offload=False)
     assert 0 < resident < n  # the point of offloading: more sequences in the same GPU memory
     with pytest.raises(ValueError, match="sparse attention mode"):
         OffloadCache(make_model("full", torch.float32).cfg, 1, "cpu", torch.float32)
@@ -416,6 +417,6 @@ def test_every_cache_buffer_is_listed_and_modelled(attn):
     tensors = [t for n in OffloadCache.ROWS + OffloadCache.SEQS if n != "host" for t in getattr(cache, n)]
     tensors += [t for n in per_layer(cache.sub) for t in getattr(cache.sub, n)]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}  # tail: a view
-    gpu, host = offload.cache_bytes(cfg, 3, 300, torch.float32)
+    gpu, host = memory.cache_bytes(cfg, 3, 300, torch.float32)
     assert sum(t.numel() * t.element_size() for t in cache.host) == host
     assert 0.95 * gpu <= sum(storages.values()) <= 1.1 * gpu, (sum(storages.values()), gpu)
