@@ -253,7 +253,7 @@ class OffloadCache(Cache):
         """One sequence's prompt: k, v (H_kv, T, d), c (H_kv, T). Whole blocks go to the host store,
         the rest to the tail; nothing is resident yet, so the first step gathers its selection."""
         cfg, T = self.cfg, k.shape[1]
-        n_full, rows = T // cfg.B, range(seq * cfg.H_kv, (seq + 1) * cfg.H_kv)  # its rows
+        n_full, r = T // cfg.B, slice(seq * cfg.H_kv, (seq + 1) * cfg.H_kv)  # its rows
         self._ensure_blocks(layer, n_full + 1)
         whole = [x[:, :n_full * cfg.B].reshape(cfg.H_kv, n_full, cfg.B, cfg.head_dim) for x in (k, v)]
         blocks = torch.stack(whole, 2)  # (H_kv, n_full, 2, B, d): the store's layout
@@ -261,11 +261,10 @@ class OffloadCache(Cache):
             self.writes.wait_stream(torch.cuda.current_stream(self.device))
             blocks.record_stream(self.writes)  # its memory is not reused before the copies are done
         with torch.cuda.stream(self.writes):  # (None: the current stream)
-            for h, row in enumerate(rows):  # one contiguous copy each
-                self.host[layer][row, :n_full].copy_(blocks[h], non_blocking=self.pin)
+            for h in range(cfg.H_kv):  # one contiguous copy each
+                self.host[layer][r.start + h, :n_full].copy_(blocks[h], non_blocking=self.pin)
         if self.pin and layer == cfg.n_layer - 1:  # what reads the store on the device comes after every copy
             torch.cuda.current_stream(self.device).wait_stream(self.writes)
-        r = slice(rows.start, rows.stop)
         self.tail[layer][r, :, :T - n_full * cfg.B] = torch.stack([k[:, n_full * cfg.B:], v[:, n_full * cfg.B:]], 1)
         self.slot_block[layer][r] = -1
         self.block_slot[layer][r] = -1
