@@ -146,14 +146,16 @@ def _load_block(K, V, kv_row, blk, S, D: tl.constexpr, B: tl.constexpr):
 def _sparse_fwd(Q, K, V, C, T_IDX, T_BITS, T_N, QPOS, O, LSE, scale, T, S, U, KV_B, KV_H, C_B, C_H,
                 H_kv: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
                 BT: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """KV_B, KV_H (C_B, C_H): the batch and head strides of K and V (of C), which may be views of
-    longer buffers (a prefill's keys so far); q, o and the keys of one head are contiguous."""
+    """q and o in the projections' layout (Bz, T, H_q, d); KV_B, KV_H (C_B, C_H): the batch and head
+    strides of K and V (of C), which may be views of longer buffers (a prefill's keys so far); the
+    keys of one head are contiguous."""
     tile, bh = tl.program_id(0), tl.program_id(1)
     t0, prog = tile * BT, bh * tl.num_programs(0) + tile
     b, t, row_ok, rows = _tile_rows(t0, bh, T, H_kv, G, GP, BT * GP)
+    qo_row = ((b * T + t) * (H_kv * G) + (bh % H_kv) * G + tl.arange(0, BT * GP) % GP) * D  # (token, head) of q, o
     kv_row, c_row = b * KV_B + (bh % H_kv) * KV_H, b * C_B + (bh % H_kv) * C_H
     offs_d = tl.arange(0, D)
-    q = tl.load(Q + rows[:, None] * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    q = tl.load(Q + qo_row[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     m_i = tl.full([BT * GP], float("-inf"), tl.float32)
     l_i = tl.zeros([BT * GP], tl.float32)
     acc = tl.zeros([BT * GP, D], tl.float32)
@@ -170,7 +172,7 @@ def _sparse_fwd(Q, K, V, C, T_IDX, T_BITS, T_N, QPOS, O, LSE, scale, T, S, U, KV
         acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
         m_i = m_new
     l_i = tl.where(l_i > 0, l_i, 1.0)  # rows past the end of the sequence or the group
-    tl.store(O + rows[:, None] * D + offs_d[None, :], (acc / l_i[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(O + qo_row[:, None] + offs_d[None, :], (acc / l_i[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None])
     tl.store(LSE + rows, m_i + tl.log(l_i), mask=row_ok)
 
 
@@ -275,12 +277,15 @@ class SparseAttention(torch.autograd.Function):
         H_kv, S = k.shape[1], k.shape[2]
         G = H_q // H_kv
         nT, U = sel.idx.shape[2], sel.idx.shape[3]
-        q, k, v = q.contiguous(), rows_contiguous(k), rows_contiguous(v)  # a prefill's keys so far: views, not copied
+        # q and o in the projections' layout (Bz, T, H_q, d), as the model makes and reads them: not copied;
+        # a prefill's keys so far read through their strides
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)  # a view where q already is in that layout
+        k, v = rows_contiguous(k), rows_contiguous(v)
         if k.stride() != v.stride():
             k, v = k.contiguous(), v.contiguous()
         q_pos = q_pos.to(torch.int32).contiguous()
         c = rows_contiguous(fp32(bias)) if bias is not None else q.new_empty(1, 1, 1, dtype=torch.float32)
-        o = torch.empty_like(q)
+        o = torch.empty_like(q)  # (Bz, H_q, T, d) in q's layout
         lse = torch.empty(Bz, H_q, T, device=q.device, dtype=torch.float32)
         meta = dict(H_kv=H_kv, G=G, GP=triton.next_power_of_2(G), D=D, B=B, BT=sel.BT, HAS_BIAS=bias is not None)
         _sparse_fwd[(nT, Bz * H_kv)](q, k, v, c, sel.idx, sel.bits, sel.n, q_pos, o, lse, 1.0 / math.sqrt(D), T, S,
@@ -292,7 +297,7 @@ class SparseAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, c, idx, bits, n, q_pos, o, lse = ctx.saved_tensors
-        k, v, c = k.contiguous(), v.contiguous(), c.contiguous()  # (training's are)
+        q, k, v, c, o = q.contiguous(), k.contiguous(), v.contiguous(), c.contiguous(), o.contiguous()
         meta = ctx.meta
         Bz, H_q, T, D = q.shape
         H_kv, S = k.shape[1], k.shape[2]

@@ -92,7 +92,7 @@ def query_aware_scores_torch(q, K_sub, q_pos, nb, cfg):
 
 
 @triton.jit
-def _qscore_kernel(Q, KS, QPOS, OUT, scale, T, M, NB,
+def _qscore_kernel(Q, KS, QPOS, OUT, scale, T, M, NB, Q_B, KS_B, KS_H,
                    H_kv: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
                    R_SUB: tl.constexpr, P_OVER: tl.constexpr, S_C: tl.constexpr, L_C: tl.constexpr,
                    NBT: tl.constexpr):
@@ -109,8 +109,9 @@ def _qscore_kernel(Q, KS, QPOS, OUT, scale, T, M, NB,
     t, g = tile * BT + r // GP, r % GP  # row = (token, head of the group)
     row_ok = (t < T) & (g < G)
     offs_d = tl.arange(0, D)
-    rows = (b * H_kv * G + h * G + g) * T + t  # (batch, head, token) of q
-    q = tl.load(Q + rows[:, None] * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    rows = b * Q_B + (t * (H_kv * G) + h * G + g) * D  # q in the projections' layout (Bz, T, H_q, d), batch stride Q_B
+    ks_row = b * KS_B + h * KS_H  # where the KV head's compressed keys start (K̃ may be a view of a longer buffer)
+    q = tl.load(Q + rows[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     pos = tl.load(QPOS + b * T + t, mask=row_ok, other=-1)
     scale2 = scale * 1.4426950408889634  # log2 e: exp(x) = exp2(x log2 e)
     p_last = tl.max(pos, 0) + 1  # tokens the tile's last query sees: sub-blocks from M_VIS on are hidden from all
@@ -123,11 +124,11 @@ def _qscore_kernel(Q, KS, QPOS, OUT, scale, T, M, NB,
     # are issued one step ahead (s_next), so the tensor cores work while the statistics are formed.
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
-    s_next = _qk(q, KS, bh, M, M_VIS, tl.arange(0, BM), offs_d, D)
+    s_next = _qk(q, KS, ks_row, M, M_VIS, tl.arange(0, BM), offs_d, D)
     for m0 in range(0, M_VIS, BM):
         offs_m = m0 + tl.arange(0, BM)
         s = s_next
-        s_next = _qk(q, KS, bh, M, M_VIS, offs_m + BM, offs_d, D)
+        s_next = _qk(q, KS, ks_row, M, M_VIS, offs_m + BM, offs_d, D)
         if m0 >= m_full:
             vis = (offs_m[None, :] < M) & (offs_m[None, :] * S_C + L_C - 1 <= pos[:, None])
             s = tl.where(vis, s, float("-inf"))
@@ -140,11 +141,11 @@ def _qscore_kernel(Q, KS, QPOS, OUT, scale, T, M, NB,
     # up to M_VIS from the products, then P = 0 (sub-blocks no query of the tile sees: no products)
     t_tok = tile * BT + tl.arange(0, BT)
     carry = tl.full([BT], float("-inf"), tl.float32)
-    s_next = _qk(q, KS, bh, M, M_VIS, tl.arange(0, BM), offs_d, D)
+    s_next = _qk(q, KS, ks_row, M, M_VIS, tl.arange(0, BM), offs_d, D)
     for m0 in range(0, tl.cdiv(M_VIS, BM) * BM, BM):
         offs_m = m0 + tl.arange(0, BM)
         s = s_next
-        s_next = _qk(q, KS, bh, M, M_VIS, offs_m + BM, offs_d, D)
+        s_next = _qk(q, KS, ks_row, M, M_VIS, offs_m + BM, offs_d, D)
         p = tl.exp2(s * scale2 - lse[:, None])
         if m0 >= m_full:
             vis = (offs_m[None, :] < M) & (offs_m[None, :] * S_C + L_C - 1 <= pos[:, None]) & row_ok[:, None]
@@ -157,9 +158,9 @@ def _qscore_kernel(Q, KS, QPOS, OUT, scale, T, M, NB,
 
 
 @triton.jit
-def _qk(q, KS, bh, M, M_VIS, offs_m, offs_d, D: tl.constexpr):
+def _qk(q, KS, ks_row, M, M_VIS, offs_m, offs_d, D: tl.constexpr):
     """q · K̃ of the tile's rows against the compressed keys offs_m (zeros from M_VIS on): (ROWS, BM)."""
-    ks = tl.load(KS + (bh * M + offs_m)[:, None] * D + offs_d[None, :], mask=(offs_m < M_VIS)[:, None], other=0.0)
+    ks = tl.load(KS + ks_row + offs_m[:, None] * D + offs_d[None, :], mask=(offs_m < M_VIS)[:, None], other=0.0)
     return tl.dot(q, tl.trans(ks))
 
 
@@ -192,10 +193,13 @@ def query_aware_scores_triton(q, K_sub, q_pos, nb, cfg):
     BT = max(1, 128 // GP)  # about 128 rows x 64 sub-blocks a tile, 4 warps, 3 stages: the fastest of a sweep (H200)
     NBT = max(1, 64 // r)
     out = torch.empty(Bz, H_kv, T, nb, device=q.device, dtype=torch.float32)
+    if q.stride()[1:] != (D, H_q * D, 1):  # q in the projections' layout, as the model makes it: a view, not copied
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)
+    K_sub = K_sub if K_sub.stride()[2:] == (D, 1) else K_sub.contiguous()
     _qscore_kernel[(triton.cdiv(T, BT), Bz * H_kv)](
-        q.contiguous(), K_sub.contiguous(), q_pos.to(torch.int32).contiguous(), out, 1.0 / math.sqrt(D), T, M,
-        nb, H_kv=H_kv, G=G, GP=GP, D=D, BT=BT, R_SUB=r, P_OVER=p, S_C=cfg.s_c, L_C=cfg.l_c, NBT=NBT, num_warps=4,
-        num_stages=3)
+        q, K_sub, q_pos.to(torch.int32).contiguous(), out, 1.0 / math.sqrt(D), T, M, nb, q.stride(0),
+        *K_sub.stride()[:2], H_kv=H_kv, G=G, GP=GP, D=D, BT=BT, R_SUB=r, P_OVER=p, S_C=cfg.s_c, L_C=cfg.l_c,
+        NBT=NBT, num_warps=4, num_stages=3)
     return out
 
 

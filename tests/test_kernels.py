@@ -47,7 +47,10 @@ CASES = [  # (G, d, T, B, k, BT): T not a multiple of B nor of the tile BT; T < 
 def test_sparse_attention_kernel_matches_twin(G, d, T, B, k, BT, dtype):
     Bz, H_kv = 2, 2
     tol = 2e-2 if dtype == torch.bfloat16 else FP32_TOL
-    q = torch.randn(Bz, H_kv * G, T, d, device=DEV, dtype=dtype, requires_grad=True)
+    if G >= 4:  # q in the projections' layout, as the model makes it: a view (Bz, H_q, T, d) the kernel reads as is
+        q = torch.randn(Bz, T, H_kv * G, d, device=DEV, dtype=dtype).transpose(1, 2).requires_grad_()
+    else:
+        q = torch.randn(Bz, H_kv * G, T, d, device=DEV, dtype=dtype, requires_grad=True)
     kk = torch.randn(Bz, H_kv, T, d, device=DEV, dtype=dtype, requires_grad=True)
     v = torch.randn(Bz, H_kv, T, d, device=DEV, dtype=dtype, requires_grad=True)
     c = torch.randn(Bz, H_kv, T, device=DEV, requires_grad=True)
@@ -139,7 +142,8 @@ def test_query_aware_score_kernel_matches_twin(G, d, T, start, preset, over):
     over the compressed keys of all T; long enough that most tiles see whole runs of sub-blocks
     (read without masks) and the blocks span several of the kernel's steps (the overlap of a block's
     sub-blocks with the next block carried across them; p = 2 and p = 0 too), G not a power of two
-    (padded heads: masks everywhere)."""
+    (padded heads: masks everywhere). A chunk's q and K̃ as a prefill passes them: views, read through
+    their strides (q in the projections' layout, K̃ the first M sub-blocks of a longer buffer)."""
     import pooling
     from config import Config
     cfg = Config.from_preset(preset, **over)
@@ -147,6 +151,9 @@ def test_query_aware_score_kernel_matches_twin(G, d, T, start, preset, over):
     q = torch.randn(Bz, H_kv * G, T - start, d, device=DEV)
     k = torch.randn(Bz, H_kv, T, d, device=DEV)
     K_sub = pooling.compress_keys(k, cfg)
+    if start > 0 or G == 3:
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)
+        K_sub = torch.cat([K_sub, torch.randn_like(K_sub[:, :, :7])], 2)[:, :, :K_sub.shape[2]]
     q_pos = torch.arange(start, T, device=DEV).expand(Bz, T - start)
     nb = pooling.n_blocks(T, cfg)
     want = pooling.query_aware_scores_torch(q, K_sub, q_pos, nb, cfg)
