@@ -105,11 +105,15 @@ def block_lists(E, first, last, cfg):
     """The list of the best n_core + k_q - 1 candidates by E, best first (eviction.core_list), of each
     query block first .. last, whose queries share their candidates: E (Bz, H_kv, nb) -> (Bz, H_kv, n_qb, n).
     select_blocks with these lists selects what it selects from E itself."""
+    n, nb = cfg.n_core + cfg.k_q_free, E.shape[-1]
+    b = torch.arange(nb, device=E.device)
+    # every block past the sinks, best first, once; a query block's candidates are those before its window
+    order = eviction.best_first(torch.where(b >= cfg.n_sink, b, -1).expand_as(E), E, nb)[0][:, :, None]
     blocks = torch.arange(first, last + 1, device=E.device)  # the query blocks (n_qb,)
-    b = torch.arange(E.shape[-1], device=E.device)
-    cand = (b >= cfg.n_sink) & (b < blocks[:, None] - cfg.n_win)  # (n_qb, nb)
-    E = E[:, :, None].expand(*E.shape[:2], len(blocks), E.shape[-1])
-    return eviction.core_list(E, cand.expand_as(E), cfg.n_core + cfg.k_q_free)[0]
+    cand = (order >= 0) & (order < blocks[:, None] - cfg.n_win)  # (Bz, H_kv, n_qb, nb), in that order
+    at = torch.where(cand, cand.cumsum(-1, dtype=torch.int32) - 1, n)  # place in the block's list; n: not in it
+    lists = torch.full((*cand.shape[:-1], n + 1), -1, dtype=order.dtype, device=E.device)  # column n: a spare
+    return lists.scatter_(-1, at.clamp(max=n).long(), order.expand_as(cand))[..., :n]
 
 
 def query_lists(lists, q_pos, first, cfg):
