@@ -24,7 +24,8 @@ def bench_prefill(H_q=32, H_kv=2, d=128, lengths=(16384, 32768, 65536, 131072), 
     for T in lengths + forward_only:
         torch.manual_seed(0)
         bwd = T in lengths
-        q = torch.randn(1, H_q, T, d, device="cuda", dtype=torch.bfloat16, requires_grad=bwd)
+        # q in the projections' layout (1, T, H_q, d), as the model makes it; k, v contiguous, as a prefill keeps them
+        q = torch.randn(1, T, H_q, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_(bwd)
         k, v = (torch.randn(1, H_kv, T, d, device="cuda", dtype=torch.bfloat16, requires_grad=bwd) for _ in range(2))
         c0 = torch.randn(1, H_kv, T, device="cuda", requires_grad=bwd)
         do = torch.randn_like(q)
