@@ -31,10 +31,11 @@ def bench_prefill(H_q=32, H_kv=2, d=128, lengths=(16384, 32768, 65536, 131072), 
         do = torch.randn_like(q)
         reps = max(3, 2**17 // T * 4)
         ms = lambda f: timed(f, reps)
+        q_c, do_c = q.detach().contiguous().requires_grad_(bwd), do.contiguous()  # SDPA: contiguous q, as before
         with torch.no_grad():
-            t_sdpa = ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
-        t_sdpa_fb = ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).backward(do)) \
-            if bwd else None
+            t_sdpa = ms(lambda: F.scaled_dot_product_attention(q_c, k, v, is_causal=True, enable_gqa=True))
+        t_sdpa_fb = ms(lambda: F.scaled_dot_product_attention(q_c, k, v, is_causal=True, enable_gqa=True).backward(
+            do_c)) if bwd else None
         for mode in modes:
             cfg = Config.from_preset("paper", attn=mode)
             c = c0 if cfg.eviction_head else None
