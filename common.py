@@ -1,11 +1,12 @@
 """
-What several files share: the numerics rule for scores, the launch sizes of the kernels, and the
-scripts' set-up (the device, one-line errors).
+What several files share: the numerics rule for scores, the launch sizes of the kernels and the
+tiles they load, and the scripts' set-up (the device, one-line errors).
 """
 import sys
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 
 def fp32(x):
@@ -22,6 +23,17 @@ def n_sm(x):
 def gp(G):
     """Rows for the G query heads of a KV head in a kernel's dot: tl.dot needs at least 16."""
     return max(16, triton.next_power_of_2(G))
+
+
+def tma_descriptor(x, block):
+    """x as tiles of shape `block` for a kernel's desc.load([...]): on Hopper and later each SM's tensor
+    memory accelerator copies a tile to shared memory, with no address arithmetic or masks in
+    registers, and fills what lies past x's ends with zeros. The hardware wants the base and the
+    strides 16-byte aligned and the last dim contiguous: other layouts are copied first."""
+    elt = x.element_size()
+    if x.stride(-1) != 1 or x.data_ptr() % 16 or any(s * elt % 16 for s in x.stride()[:-1]):
+        x = x.contiguous()
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), list(block))
 
 
 def pick_device(name=None):

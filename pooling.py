@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from common import fp32
+from common import fp32, tma_descriptor
 
 
 def n_subblocks(T, cfg):
@@ -92,7 +92,7 @@ def query_aware_scores_torch(q, K_sub, q_pos, nb, cfg):
 
 
 @triton.jit
-def _qscore_kernel(Q, KS, QPOS, OUT, scale, T, M, NB, Q_B, KS_B, KS_H,
+def _qscore_kernel(Q, KD, QPOS, OUT, scale, T, M, NB, Q_B,
                    H_kv: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
                    R_SUB: tl.constexpr, P_OVER: tl.constexpr, S_C: tl.constexpr, L_C: tl.constexpr,
                    NBT: tl.constexpr):
@@ -110,7 +110,6 @@ def _qscore_kernel(Q, KS, QPOS, OUT, scale, T, M, NB, Q_B, KS_B, KS_H,
     row_ok = (t < T) & (g < G)
     offs_d = tl.arange(0, D)
     rows = b * Q_B + (t * (H_kv * G) + h * G + g) * D  # q in the projections' layout (Bz, T, H_q, d), batch stride Q_B
-    ks_row = b * KS_B + h * KS_H  # where the KV head's compressed keys start (K̃ may be a view of a longer buffer)
     q = tl.load(Q + rows[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     pos = tl.load(QPOS + b * T + t, mask=row_ok, other=-1)
     scale2 = scale * 1.4426950408889634  # log2 e: exp(x) = exp2(x log2 e)
@@ -124,11 +123,11 @@ def _qscore_kernel(Q, KS, QPOS, OUT, scale, T, M, NB, Q_B, KS_B, KS_H,
     # are issued one step ahead (s_next), so the tensor cores work while the statistics are formed.
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
-    s_next = _qk(q, KS, ks_row, M, M_VIS, tl.arange(0, BM), offs_d, D)
+    s_next = _qk(q, KD, b, h, 0, BM, D)
     for m0 in range(0, M_VIS, BM):
         offs_m = m0 + tl.arange(0, BM)
         s = s_next
-        s_next = _qk(q, KS, ks_row, M, M_VIS, offs_m + BM, offs_d, D)
+        s_next = _qk(q, KD, b, h, m0 + BM, BM, D)
         if m0 >= m_full:
             vis = (offs_m[None, :] < M) & (offs_m[None, :] * S_C + L_C - 1 <= pos[:, None])
             s = tl.where(vis, s, float("-inf"))
@@ -141,11 +140,11 @@ def _qscore_kernel(Q, KS, QPOS, OUT, scale, T, M, NB, Q_B, KS_B, KS_H,
     # up to M_VIS from the products, then P = 0 (sub-blocks no query of the tile sees: no products)
     t_tok = tile * BT + tl.arange(0, BT)
     carry = tl.full([BT], float("-inf"), tl.float32)
-    s_next = _qk(q, KS, ks_row, M, M_VIS, tl.arange(0, BM), offs_d, D)
+    s_next = _qk(q, KD, b, h, 0, BM, D)
     for m0 in range(0, tl.cdiv(M_VIS, BM) * BM, BM):
         offs_m = m0 + tl.arange(0, BM)
         s = s_next
-        s_next = _qk(q, KS, ks_row, M, M_VIS, offs_m + BM, offs_d, D)
+        s_next = _qk(q, KD, b, h, m0 + BM, BM, D)
         p = tl.exp2(s * scale2 - lse[:, None])
         if m0 >= m_full:
             vis = (offs_m[None, :] < M) & (offs_m[None, :] * S_C + L_C - 1 <= pos[:, None]) & row_ok[:, None]
@@ -158,10 +157,10 @@ def _qscore_kernel(Q, KS, QPOS, OUT, scale, T, M, NB, Q_B, KS_B, KS_H,
 
 
 @triton.jit
-def _qk(q, KS, ks_row, M, M_VIS, offs_m, offs_d, D: tl.constexpr):
-    """q · K̃ of the tile's rows against the compressed keys offs_m (zeros from M_VIS on): (ROWS, BM)."""
-    ks = tl.load(KS + ks_row + offs_m[:, None] * D + offs_d[None, :], mask=(offs_m < M_VIS)[:, None], other=0.0)
-    return tl.dot(q, tl.trans(ks))
+def _qk(q, KD, b, h, m0, BM: tl.constexpr, D: tl.constexpr):
+    """q · K̃ of the tile's rows against the compressed keys m0 .. m0 + BM - 1 (zeros past M): (ROWS, BM).
+    Products with the keys no row sees are masked by the caller."""
+    return tl.dot(q, tl.trans(KD.load([b, h, m0, 0]).reshape(BM, D)))
 
 
 @triton.jit
@@ -190,16 +189,16 @@ def query_aware_scores_triton(q, K_sub, q_pos, nb, cfg):
     H_kv, M = K_sub.shape[1], K_sub.shape[2]
     G, GP = H_q // H_kv, triton.next_power_of_2(H_q // H_kv)
     r, p = cfg.B // cfg.s_c, (cfg.l_c - 1) // cfg.s_c
-    BT = max(1, 128 // GP)  # about 128 rows x 64 sub-blocks a tile, 4 warps, 3 stages: the fastest of a sweep (H200)
+    BT = max(1, 128 // GP)  # about 128 rows x 64 sub-blocks a tile, 4 warps, 2 stages: the fastest of a sweep (H200)
     NBT = max(1, 64 // r)
     out = torch.empty(Bz, H_kv, T, nb, device=q.device, dtype=torch.float32)
     if q.stride()[1:] != (D, H_q * D, 1):  # q in the projections' layout, as the model makes it: a view, not copied
         q = q.transpose(1, 2).contiguous().transpose(1, 2)
-    K_sub = K_sub if K_sub.stride()[2:] == (D, 1) else K_sub.contiguous()
+    kd = tma_descriptor(K_sub, (1, 1, NBT * r, D))  # K̃ may be a view of a longer buffer (a prefill's so far)
     _qscore_kernel[(triton.cdiv(T, BT), Bz * H_kv)](
-        q, K_sub, q_pos.to(torch.int32).contiguous(), out, 1.0 / math.sqrt(D), T, M, nb, q.stride(0),
-        *K_sub.stride()[:2], H_kv=H_kv, G=G, GP=GP, D=D, BT=BT, R_SUB=r, P_OVER=p, S_C=cfg.s_c, L_C=cfg.l_c,
-        NBT=NBT, num_warps=4, num_stages=3)
+        q, kd, q_pos.to(torch.int32).contiguous(), out, 1.0 / math.sqrt(D), T, M, nb, q.stride(0),
+        H_kv=H_kv, G=G, GP=GP, D=D, BT=BT, R_SUB=r, P_OVER=p, S_C=cfg.s_c, L_C=cfg.l_c,
+        NBT=NBT, num_warps=4, num_stages=2)
     return out
 
 
