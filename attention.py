@@ -274,10 +274,11 @@ class SparseAttention(torch.autograd.Function):
         G = H_q // H_kv
         nT, U = sel.idx.shape[2], sel.idx.shape[3]
         # q and o in the projections' layout (Bz, T, H_q, d), as the model makes and reads them: not copied;
-        # a prefill's keys so far read through their strides
+        # K and V (a prefill's keys so far, any aligned layout) through TMA descriptors, not copied either
         q = q.transpose(1, 2).contiguous().transpose(1, 2)  # a view where q already is in that layout
         q_pos = q_pos.to(torch.int32).contiguous()
-        c = rows_contiguous(fp32(bias)) if bias is not None else q.new_empty(1, 1, 1, dtype=torch.float32)
+        c = fp32(bias) if bias is not None else q.new_empty(1, 1, 1, dtype=torch.float32)
+        c = c if c.stride(-1) == 1 else c.contiguous()  # read through its batch and head strides
         o = torch.empty_like(q)  # (Bz, H_q, T, d) in q's layout
         lse = torch.empty(Bz, H_q, T, device=q.device, dtype=torch.float32)
         meta = dict(H_kv=H_kv, G=G, GP=triton.next_power_of_2(G), D=D, B=B, BT=sel.BT, HAS_BIAS=bias is not None)
@@ -311,12 +312,6 @@ class SparseAttention(torch.autograd.Function):
             q, k, v, c, off, rev_tile, rev_bits, q_pos, do, lse, delta, dk, dv, dc, scale, T, S, nb,
             CHUNK=chunk, **meta, **LAUNCH_BWD)
         return dq, dk.to(k.dtype), dv.to(v.dtype), (dc if meta["HAS_BIAS"] else None), None, None, None
-
-
-def rows_contiguous(x):
-    """x, or a contiguous copy where its last dim (the last two for K and V: a head's keys) is not."""
-    ok = x.stride(-1) == 1 and (x.dim() < 4 or x.stride(-2) == x.shape[-1])
-    return x if ok else x.contiguous()
 
 
 def use_triton(x, B):

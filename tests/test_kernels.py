@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import attention
+import common
 import decode
 import fast
 
@@ -51,8 +52,10 @@ def test_sparse_attention_kernel_matches_twin(G, d, T, B, k, BT, dtype):
         q = torch.randn(Bz, T, H_kv * G, d, device=DEV, dtype=dtype).transpose(1, 2).requires_grad_()
     else:
         q = torch.randn(Bz, H_kv * G, T, d, device=DEV, dtype=dtype, requires_grad=True)
-    kk = torch.randn(Bz, H_kv, T, d, device=DEV, dtype=dtype, requires_grad=True)
-    v = torch.randn(Bz, H_kv, T, d, device=DEV, dtype=dtype, requires_grad=True)
+    if G >= 4:  # and K, V too: the kernels read them through TMA descriptors of any aligned layout
+        kk, v = (torch.randn(Bz, T, H_kv, d, device=DEV, dtype=dtype).transpose(1, 2).requires_grad_() for _ in "kv")
+    else:
+        kk, v = (torch.randn(Bz, H_kv, T, d, device=DEV, dtype=dtype, requires_grad=True) for _ in "kv")
     c = torch.randn(Bz, H_kv, T, device=DEV, requires_grad=True)
     q_pos = torch.arange(T, device=DEV).expand(Bz, T)
     mask = random_block_mask(Bz, H_kv, T, B, k, q_pos)
@@ -71,6 +74,16 @@ def test_sparse_attention_kernel_matches_twin(G, d, T, B, k, BT, dtype):
         outs.append([o.detach(), q.grad, kk.grad, v.grad, c.grad])
     for name, got, want in zip(["o", "dq", "dk", "dv", "dc"], outs[1], outs[0]):
         assert rel_err(got, want) < tol, (name, rel_err(got, want))
+
+
+def test_tma_descriptor_reads_aligned_views_in_place_and_copies_the_rest():
+    buf = torch.randn(2, 3, 40, 16, device=DEV)
+    view = buf[:, :, :33]  # a prefill's keys so far: a view of a longer buffer
+    desc = common.tma_descriptor(view, (1, 1, 16, 16))
+    assert desc.base.data_ptr() == buf.data_ptr() and list(desc.shape) == [2, 3, 33, 16]
+    odd = torch.randn(2, 3, 33, 20, device=DEV, dtype=torch.bfloat16)[..., :16]  # rows 40 bytes apart: unaligned
+    desc = common.tma_descriptor(odd, (1, 1, 16, 16))
+    assert desc.base.is_contiguous() and torch.equal(desc.base, odd)
 
 
 def test_sparse_attention_kernel_ragged_decode_positions():
