@@ -51,7 +51,7 @@ def prefill_bytes(cfg, T, C, dtype, stream_on_host=False):
     """GPU bytes a chunked prefill of a T-token prompt needs beyond the weights and the cache
     (model.Transformer.prefill), C tokens a chunk: the prompt's residual stream (T, dim), or the next
     chunk of it when it is kept in host memory, one layer's K, V, c and pooled caches and a copy of
-    them (the cache's prefill stacks K and V),
+    them (the cache's prefill stacks K and V), the RoPE tables of every position,
     and the largest of one chunk's activations: RoPE in fp32, scoring and selection (nosa.SELECT_ROWS
     queries at a time, over nb blocks; the selection kept as tiles), the MLP. A bound checked against
     the measured peak on the GPU."""
@@ -59,7 +59,7 @@ def prefill_bytes(cfg, T, C, dtype, stream_on_host=False):
     elt, C = torch.empty((), dtype=dtype).element_size(), min(C, T)
     nb = math.ceil(T / cfg.B)
     whole = (0 if stream_on_host else T * dim * elt) + 2 * H * T * (2 * d * elt + 4) + H * (T // cfg.s_c + 1) * (
-        d * elt + 4)
+        d * elt + 4) + T * d * 4  # and RoPE's cos and sin (T, d/2) in fp32
     # q, k, v; the selection as tiles (attention.Tiles: at most k block ids and bits a query, int32)
     live = 2 * (H_q + 2 * H) * d * elt + 4 * dim * elt + (H * 8 * cfg.k if cfg.sparse else 0)
     select = min(C, nosa.SELECT_ROWS) * H * nb * 20 if cfg.sparse else 0  # the scores Q and their parts, fp32

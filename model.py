@@ -53,18 +53,18 @@ def rope_frequencies(cfg, device):
 
 
 def rope_tables(pos, inv_freq, dtype):
-    """cos and sin (Bz, 1, T, d) of the rotation angles pos * inv_freq, computed in fp64 (positions
-    reach 1e5 and more) once per forward or decode step and shared by every layer. pos (Bz, T)."""
+    """cos and sin (Bz, 1, T, d/2) of the rotation angles pos * inv_freq, computed in fp64 (positions
+    reach 1e5 and more) once per forward, prefill or decode step and shared by every layer. pos (Bz, T)."""
     ang = pos[:, None, :, None].to(torch.float64) * inv_freq  # (Bz, 1, T, d/2)
-    return tuple(f(ang).to(dtype).repeat(1, 1, 1, 2) for f in (torch.cos, torch.sin))
+    return torch.cos(ang).to(dtype), torch.sin(ang).to(dtype)
 
 
 def apply_rope(x, rope):
-    """Rotary embedding in the Hugging Face (rotate-half) layout. x (Bz, H, T, d), rope = (cos, sin)."""
-    d, (cos, sin) = x.shape[-1], rope
-    xf = fp32(x)
-    rot = torch.cat((-xf[..., d // 2:], xf[..., : d // 2]), dim=-1)
-    return (xf * cos + rot * sin).to(x.dtype)
+    """Rotary embedding in the Hugging Face (rotate-half) layout: dims i and i + d/2 turn by angle i.
+    x (Bz, H, T, d), rope = (cos, sin) (Bz, 1, T, d/2)."""
+    cos, sin = rope
+    x1, x2 = fp32(x).chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -195,8 +195,9 @@ class Transformer(nn.Module):
         Layer by layer, `chunk` tokens at a time (default: all): each chunk's queries select and attend
         exactly as the parallel forward's would, over the keys of this and the earlier chunks; when a
         layer has read the whole prompt, its keys, values and eviction scores go to the cache. So the
-        memory beyond the cache is the prompt's residual stream (T, dim), one layer's K, V and c, and
-        one chunk's activations (memory.prefill_bytes), never the logits of every position.
+        memory beyond the cache is the prompt's residual stream (T, dim), one layer's K, V and c, the
+        RoPE tables (T, d/2), and one chunk's activations (memory.prefill_bytes), never the logits of every
+        position.
         stream_on_host: keep the residual stream in pinned host memory, a chunk at a time on the GPU
         (for a budget where it does not fit beside the cache). progress(fraction) after each layer.
         block(layer, x, rope, prompt, start): a block's forward (fast.block_prefill computes the same faster)."""
@@ -207,10 +208,11 @@ class Transformer(nn.Module):
         for s in range(0, T, C):
             x.write(s, self.embed_tokens(idx[:, s:s + C]))
         prompt = PromptLayer(self.cfg, T, dev, dtype, self.cfg.eviction_head)  # reused by every layer
+        cos, sin = self.rope(torch.arange(T, device=dev)[None], dtype)  # (1, 1, T, d/2), for every layer
         for i, layer in enumerate(self.layers):
             for s, h in x.chunks():
-                pos = torch.arange(s, s + h.shape[1], device=dev)[None]
-                x.write(s, block(layer, h, self.rope(pos, dtype), prompt, s))
+                rope = cos[:, :, s:s + h.shape[1]], sin[:, :, s:s + h.shape[1]]
+                x.write(s, block(layer, h, rope, prompt, s))
             cache.prefill(i, seq, prompt.k[0], prompt.v[0], None if prompt.c is None else prompt.c[0])
             if progress:
                 progress((i + 1) / len(self.layers))
