@@ -16,9 +16,10 @@ is the only path through which A and W_δ receive gradient, and, pooled, the blo
 The eviction policy (docs/METHOD.md §5 has why it holds). E[b] is final once block b is a candidate,
 and candidates only join, so the core changes only at a block boundary, by letting the newcomer
 compete with the members: the weakest is *evicted* for good. `core_blocks` is the core from scratch
-(the definition); `core_list` the short list of the best candidates from scratch (the parallel
-forward makes one per query block: nosa.core_lists); `join_core_list` the policy as decoding runs it
-on that list. The tests check that they agree and that an evicted block never comes back.
+(the definition); `core_list` the short list of the best candidates from scratch; `join_core_list`
+the policy on that list, as decoding runs it a step at a time and the parallel forward a query block
+at a time (nosa.block_lists). The tests check that they agree and that an evicted block never comes
+back.
 """
 import torch
 import torch.nn.functional as F

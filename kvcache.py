@@ -24,6 +24,7 @@ from torch.profiler import record_function
 import decode
 import eviction
 import fast
+import nosa
 import pooling
 
 
@@ -68,8 +69,10 @@ def grow(t, n, dim):
 
 class PromptLayer:
     """One layer's keys, values and eviction scores of one prompt as a chunked prefill writes them
-    (model.Transformer.prefill), with the pooled caches K̃, c̃ of what is written so far, kept up to
-    date a chunk at a time. Once the layer has read the whole prompt the cache takes them (prefill)."""
+    (model.Transformer.prefill), with what selection reads of the keys so far, kept up to date a chunk
+    at a time: the compressed keys K̃, the sub-block means c̃, and each query block's list of its best
+    candidates by E, carried from chunk to chunk by the eviction policy (nosa.block_lists). Once the
+    layer has read the whole prompt the cache takes them (prefill)."""
 
     def __init__(self, cfg, T, device, dtype, with_c):
         H, d, M = cfg.H_kv, cfg.head_dim, pooling.n_subblocks(T, cfg)
@@ -80,10 +83,12 @@ class PromptLayer:
         self.c = torch.empty(1, H, T, device=device, dtype=cdt) if with_c else None
         self.K_sub = torch.empty(1, H, M, d, device=device, dtype=dtype) if cfg.sparse else None
         self.c_sub = torch.empty(1, H, M, device=device, dtype=cdt) if cfg.sparse and with_c else None
+        self.carry = None  # the list of the last query block so far (nosa.block_lists)
 
     def write(self, start, k, v, c):
         """A chunk's k, v (1, H_kv, C, d) and c (1, H_kv, C) or None at positions start .. e-1 ->
-        the keys so far: k, v, c of positions 0 .. e-1 (views) and their pooled caches (K̃, c̃)."""
+        the keys so far: k, v, c of positions 0 .. e-1 (views), and what nosa.nosa_attention selects
+        from (its `pooled`): K̃ and the lists of the chunk's query blocks (None without E-picks)."""
         cfg, e = self.cfg, start + k.shape[2]
         self.k[:, :, start:e], self.v[:, :, start:e] = k, v
         if c is not None:
@@ -96,9 +101,14 @@ class PromptLayer:
             self.K_sub[:, :, m0:m1] = pooling.compress_keys(self.k[:, :, t0:e], cfg)
             if c is not None:
                 self.c_sub[:, :, m0:m1] = pooling.pool_mean(self.c[:, :, t0:e], cfg)
-        c_sub = None if c is None else self.c_sub[:, :, :m1]
+        lists = None
+        if c is not None and cfg.n_core > 0:
+            if start == 0:  # a new layer
+                self.carry = None
+            lists, self.carry = nosa.block_lists(self.c_sub[:, :, :m1], start // cfg.B, (e - 1) // cfg.B, cfg,
+                                                 self.carry)
         return self.k[:, :, :e], self.v[:, :, :e], None if c is None else self.c[:, :, :e], (self.K_sub[:, :, :m1],
-                                                                                              c_sub)
+                                                                                              lists)
 
 
 class ResidualStream:

@@ -72,8 +72,7 @@ def where_the_fact_is(model, ids, t, b_fact):
         pick_q = eviction.top_desc(Q, cand, cfg.k_q_free)  # (1, H_kv, nb)
         pick_e = torch.zeros_like(pick_q)
         if c is not None and cfg.n_core > 0:
-            E = eviction.eviction_block_scores(pooling.pool_mean(c, cfg), nb, cfg)
-            ids_e = nosa.core_lists(E, pos, cfg)[:, :, 0]  # (1, H_kv, n)
+            ids_e = nosa.core_lists(pooling.pool_mean(c, cfg), pos, cfg)[:, :, 0]  # (1, H_kv, n)
             pick_e = eviction.core_picks(ids_e, pick_q.gather(-1, ids_e.clamp(min=0)), cfg.n_core, nb)
         few = q_blk + 1 <= cfg.k
         for h in range(cfg.H_kv):

@@ -196,7 +196,7 @@ def test_select_step_kernel_equals_twin(cfg, data, attn):
 def test_select_tiles_kernel_equals_twin(cfg, data, attn):
     """The parallel forward's selection as one Triton kernel (interpreted on CPU), written as tiles of
     BT queries (union, bits, count) == the torch code, and those tiles hold select_blocks' mask: random
-    configs and modes, a chunk of queries starting anywhere (tiles across block boundaries), ties."""
+    configs and modes, a chunk of queries starting anywhere (tiles across block boundaries), ties or not."""
     from dataclasses import replace
     cfg = replace(cfg, attn=attn)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -207,11 +207,14 @@ def test_select_tiles_kernel_equals_twin(cfg, data, attn):
     q_pos = (start + torch.arange(T)).expand(Bz, T)
     nb = (start + T - 1) // cfg.B + 1  # the blocks the chunk's keys span
     first, BT = start // cfg.B, data.draw(st.sampled_from([1, 2, 8]))
-    Q = torch.randint(0, 4, (Bz, H, T, nb), generator=g).float()  # ties everywhere
+    if data.draw(st.booleans()):  # ties everywhere (the kernel's rounds over (score, block) keys)
+        Q = torch.randint(0, 4, (Bz, H, T, nb), generator=g).float()
+    else:  # distinct scores (its rounds over the scores alone)
+        Q = torch.rand(Bz, H, T, nb, generator=g)
     lists = None
-    if cfg.eviction_head and cfg.n_core > 0:
-        E = torch.randint(0, 3, (Bz, H, nb), generator=g).float()
-        lists = nosa.block_lists(E, first, nb - 1, cfg)
+    if cfg.eviction_head and cfg.n_core > 0:  # E from sub-block means of c of a few values: ties
+        c_sub = torch.randint(0, 3, (Bz, H, pooling.n_subblocks(start + T, cfg)), generator=g).float()
+        lists = nosa.block_lists(c_sub, first, nb - 1, cfg)[0]
     U = min(nb, BT * cfg.k)
     want = nosa.select_tiles_torch(Q, lists, first, q_pos, cfg, BT, U)
     got = nosa.select_tiles_triton(Q.to(dev), None if lists is None else lists.to(dev), first, q_pos.to(dev), cfg,
@@ -250,8 +253,8 @@ def test_parallel_selection_equals_decode_selection(tied, rows, monkeypatch):
         sub.append(0, k[rows, :, pos], c[rows, :, pos], pos, int(pos.max()))
         nb = pooling.n_blocks(int(pos.max()) + 1, cfg)
         q_t = q[rows, :, pos][:, :, None]
-        E = eviction.eviction_block_scores(sub.c_sub[0], nb, cfg)  # from c̃, the lists from scratch
-        dec = nosa.select(q_t, sub.K_sub[0], nosa.core_lists(E, pos[:, None], cfg), pos[:, None], nb, cfg)[:, :, 0]
+        lists = nosa.core_lists(sub.c_sub[0], pos[:, None], cfg)  # from c̃, the lists from block 0 on
+        dec = nosa.select(q_t, sub.K_sub[0], lists, pos[:, None], nb, cfg)[:, :, 0]
         dec_list = nosa.select(q_t, sub.K_sub[0], sub.core_ids[0], pos[:, None], nb, cfg)[:, :, 0]
         for i in range(Bz):
             p = int(pos[i])
@@ -295,6 +298,39 @@ def test_core_list_kept_by_the_policy_equals_the_list_from_scratch():
         assert torch.equal(ids2, ids)
 
 
+@settings(max_examples=40, deadline=None)
+@given(cfg=configs(), data=st.data(), attn=st.sampled_from(["nosa", "dma"]))
+def test_block_lists_kept_chunk_by_chunk_equal_the_lists_from_scratch(cfg, data, attn):
+    """Each query block's list of its best candidates by E, kept by the eviction policy as a chunked
+    prefill keeps it (nosa.block_lists, carried from chunk to chunk; its Triton kernel, interpreted on
+    CPU, and its torch loop) == the list from scratch (eviction.core_list) for every query block:
+    random configs and chunk boundaries (mid-block too), E with ties and -inf."""
+    from dataclasses import replace
+    cfg = replace(cfg, attn=attn)
+    assume(cfg.n_core > 0)  # (without a core there are no lists)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    S = data.draw(st.integers(1, 40 * cfg.B))
+    nb, n = pooling.n_blocks(S, cfg), cfg.n_core + cfg.k_q_free
+    c_sub = torch.randint(0, 4, (2, 2, pooling.n_subblocks(S, cfg)), generator=g).float()
+    c_sub[c_sub == 3] = float("-inf")
+    E = eviction.eviction_block_scores(c_sub, nb, cfg)
+    ends = sorted(set(data.draw(st.lists(st.integers(1, S), max_size=4)) + [S]))  # the chunks' ends
+    carry = carry_gpu = None
+    start = 0
+    for e in ends:
+        first, last = start // cfg.B, (e - 1) // cfg.B
+        lists, carry = nosa.block_lists(c_sub, first, last, cfg, carry)
+        got, carry_gpu = nosa.block_lists_triton(c_sub.to(dev), first, last, cfg, carry_gpu or tuple(
+            x.to(dev) for x in nosa.block_lists(c_sub, 0, 0, cfg)[1][:2]) + (0,))
+        assert torch.equal(got.cpu(), lists) and torch.equal(carry_gpu[0].cpu(), carry[0]) and carry_gpu[2] == last
+        b = torch.arange(nb)
+        for qb in range(first, last + 1):
+            want = eviction.core_list(E, ((b >= cfg.n_sink) & (b < qb - cfg.n_win)).expand_as(E), n)[0]
+            assert torch.equal(lists[:, :, qb - first], want), (qb, first, last)
+        start = e
+
+
 @settings(max_examples=60, deadline=None)
 @given(cfg=configs(), data=st.data(), attn=st.sampled_from(["nosa", "dma"]))
 def test_selection_from_block_lists_equals_the_definition(cfg, data, attn):
@@ -308,10 +344,11 @@ def test_selection_from_block_lists_equals_the_definition(cfg, data, attn):
     T = data.draw(st.integers(1, 3 * cfg.B))
     start = torch.randint(0, nb * cfg.B - T + 1, (Bz, 1), generator=g) if nb * cfg.B > T else torch.zeros(Bz, 1)
     q_pos = (start + torch.arange(T)).long()  # (Bz, T)
-    E = torch.randint(0, 3, (Bz, H, nb), generator=g).double()  # ties everywhere
+    c_sub = torch.randint(0, 4, (Bz, H, pooling.n_subblocks(nb * cfg.B, cfg)), generator=g).double()
+    E = eviction.eviction_block_scores(c_sub, nb, cfg)  # ties everywhere
     Q = torch.randint(0, 4, (Bz, H, T, nb), generator=g).double()
     want = nosa.select_blocks(Q, E, q_pos[:, None], cfg)
-    got = nosa.select_blocks(Q, None, q_pos[:, None], cfg, nosa.core_lists(E, q_pos, cfg))
+    got = nosa.select_blocks(Q, None, q_pos[:, None], cfg, nosa.core_lists(c_sub, q_pos, cfg))
     assert torch.equal(got, want)
 
 
@@ -325,15 +362,17 @@ def test_minus_inf_scores_still_fill_the_budget(inf_in):
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     nb, t = 30, 403
     g = torch.Generator().manual_seed(0)
-    Q, E = torch.rand(1, 2, 1, nb, generator=g), torch.rand(1, 2, nb, generator=g)
+    Q, c_sub = torch.rand(1, 2, 1, nb, generator=g), torch.rand(1, 2, nb * cfg.B // cfg.s_c, generator=g)
     if inf_in in ("Q", "both"):
         Q[..., 1:21] = float("-inf")
-    if inf_in in ("E", "both"):
-        E[..., 1:21] = float("-inf")
+    if inf_in in ("E", "both"):  # the sub-blocks that overlap blocks 1 .. 20, and no others wholly
+        c_sub[..., 3:84] = float("-inf")
+    E = eviction.eviction_block_scores(c_sub, nb, cfg)
+    assert E[..., 1:21].isinf().all() == (inf_in != "Q") and E[..., 21:].isfinite().all() and E[..., 0].isfinite().all()
     pos = torch.tensor([[t]])
     want = nosa.select_blocks(Q, E, pos[:, None], cfg)
     assert (want.sum(-1) == cfg.k).all() and not want[..., t // cfg.B + 1:].any()
-    lists = nosa.core_lists(E, pos, cfg)
+    lists = nosa.core_lists(c_sub, pos, cfg)
     assert torch.equal(nosa.select_blocks(Q, None, pos[:, None], cfg, lists), want)
     row_list = lists[:, :, 0]  # what decoding keeps, one list per row
     assert torch.equal(nosa.select_step_torch(Q, row_list, pos, cfg), want)
