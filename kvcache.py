@@ -9,7 +9,7 @@ A cache offers, per layer, what nosa.nosa_decode calls, in this order:
   sub.pooled(layer)             K̃ and the eviction list the selection reads
   n_blocks()                    how many blocks selection ranges over
   attend(layer, q, block_mask)  attention of q over the selected blocks Γ(t)
-and prefill(layer, seq, k, v, c) for a prompt, advance() after a step, finish(done) for sequences
+and prefill(layer, seq, k, v, c, pooled) for a prompt, advance() after a step, finish(done) for sequences
 that ended. KVCache keeps everything on the device; offload.OffloadCache keeps the blocks in host
 memory and only the selected ones on the GPU (NOSI). Both share Cache (the lengths) and
 SubBlockCache (the pooled caches).
@@ -110,6 +110,12 @@ class PromptLayer:
         return self.k[:, :, :e], self.v[:, :, :e], None if c is None else self.c[:, :, :e], (self.K_sub[:, :, :m1],
                                                                                               lists)
 
+    def pooled(self):
+        """What the decode cache keeps of the whole prompt (SubBlockCache.prefill's `pooled`): K̃ (H_kv, M, d),
+        c̃ (H_kv, M) and the list of the last query block (ids, E) (H_kv, n), or None where the mode has none."""
+        core = None if self.carry is None else (self.carry[0][0], self.carry[1][0])
+        return self.K_sub[0], None if self.c_sub is None else self.c_sub[0], core
+
 
 class ResidualStream:
     """A prompt's residual stream (1, T, dim) between the layers of a chunked prefill, read and
@@ -192,10 +198,12 @@ class SubBlockCache:
                 setattr(part, name, [t[a:b] for t in getattr(self, name)])
         return part
 
-    def prefill(self, layer, seq, k, c):
-        """k (H_kv, T, d), c (H_kv, T) or None: one whole sequence."""
+    def prefill(self, layer, seq, k, c, pooled=None):
+        """k (H_kv, T, d), c (H_kv, T) or None: one whole sequence. pooled: (K̃, c̃, list) of it where the
+        caller has them (a chunked prefill: PromptLayer.pooled), else made here."""
         cfg, T = self.cfg, k.shape[1]
-        K_sub = pooling.compress_keys(k, cfg)  # (H_kv, M, d)
+        K_sub, c_sub, core = pooled or (pooling.compress_keys(k, cfg), None if c is None else pooling.pool_mean(c, cfg),
+                                        None)  # (H_kv, M, d), (H_kv, M)
         M = K_sub.shape[1]
         self.K_sub[layer] = grow(self.K_sub[layer], M, 2)
         self.c_sub[layer] = grow(self.c_sub[layer], M, 2)
@@ -203,15 +211,16 @@ class SubBlockCache:
         tail = torch.arange(max(T - cfg.l_c, 0), T, device=k.device)
         self.ring_k[layer][seq][:, tail % cfg.l_c] = k[:, tail]
         if c is not None:
-            self.c_sub[layer][seq, :, :M] = pooling.pool_mean(c, cfg)
+            self.c_sub[layer][seq, :, :M] = c_sub
             self.ring_c[layer][seq][:, tail % cfg.l_c] = c[:, tail]
-        if self.core_ids:  # from scratch, as of the last prompt token: the next step adds what leaves the window
-            nb = pooling.n_blocks(T, cfg)
-            b = torch.arange(nb, device=k.device)
-            cand = (b >= cfg.n_sink) & (b < (T - 1) // cfg.B - cfg.n_win)
-            E = eviction.eviction_block_scores(self.c_sub[layer][seq, :, :M], nb, cfg)  # (H_kv, nb)
-            self.core_ids[layer][seq], self.core_E[layer][seq] = eviction.core_list(E, cand.expand_as(E),
-                                                                                  self.core_ids[layer].shape[-1])
+        if self.core_ids:  # as of the last prompt token: the next step adds what leaves the window
+            if core is None:  # from scratch
+                nb = pooling.n_blocks(T, cfg)
+                b = torch.arange(nb, device=k.device)
+                cand = (b >= cfg.n_sink) & (b < (T - 1) // cfg.B - cfg.n_win)
+                E = eviction.eviction_block_scores(c_sub, nb, cfg)  # (H_kv, nb)
+                core = eviction.core_list(E, cand.expand_as(E), self.core_ids[layer].shape[-1])
+            self.core_ids[layer][seq], self.core_E[layer][seq] = core
 
     def append(self, layer, k, c, pos, max_pos):
         """k (Bz, H_kv, d), c (Bz, H_kv) or None, written at positions pos (Bz,); when a sub-block
@@ -284,14 +293,14 @@ class KVCache(Cache):
         self.c = [torch.zeros(Bz, H, S if cfg.eviction_head else 0, device=device, dtype=cdt) for _ in range(L)]
         self.sub = SubBlockCache(cfg, Bz, device, dtype, S) if cfg.sparse else None
 
-    def prefill(self, layer, seq, k, v, c):
+    def prefill(self, layer, seq, k, v, c, pooled=None):
         T = k.shape[1]
         self._grow(layer, T)
         self.k[layer][seq, :, :T], self.v[layer][seq, :, :T] = k, v
         if c is not None:
             self.c[layer][seq, :, :T] = c
         if self.sub:
-            self.sub.prefill(layer, seq, k, c)
+            self.sub.prefill(layer, seq, k, c, pooled)
         if layer == self.cfg.n_layer - 1:
             self.set_length(seq, T)
 

@@ -213,7 +213,8 @@ class Transformer(nn.Module):
             for s, h in x.chunks():
                 rope = cos[:, :, s:s + h.shape[1]], sin[:, :, s:s + h.shape[1]]
                 x.write(s, block(layer, h, rope, prompt, s))
-            cache.prefill(i, seq, prompt.k[0], prompt.v[0], None if prompt.c is None else prompt.c[0])
+            cache.prefill(i, seq, prompt.k[0], prompt.v[0], None if prompt.c is None else prompt.c[0],
+                          prompt.pooled() if self.cfg.sparse else None)
             if progress:
                 progress((i + 1) / len(self.layers))
         return self.lm_head(self.norm(x.last()))[0]

@@ -249,9 +249,10 @@ class OffloadCache(Cache):
         table[:, :cap] = self.block_slot[layer]
         self.block_slot[layer] = table
 
-    def prefill(self, layer, seq, k, v, c):
-        """One sequence's prompt: k, v (H_kv, T, d), c (H_kv, T). Whole blocks go to the host store,
-        the rest to the tail; nothing is resident yet, so the first step gathers its selection."""
+    def prefill(self, layer, seq, k, v, c, pooled=None):
+        """One sequence's prompt: k, v (H_kv, T, d), c (H_kv, T), and where the caller has them its pooled
+        caches (SubBlockCache.prefill). Whole blocks go to the host store, the rest to the tail; nothing
+        is resident yet, so the first step gathers its selection."""
         cfg, T = self.cfg, k.shape[1]
         n_full, r = T // cfg.B, slice(seq * cfg.H_kv, (seq + 1) * cfg.H_kv)  # its rows
         self._ensure_blocks(layer, n_full + 1)
@@ -272,7 +273,7 @@ class OffloadCache(Cache):
         if c is not None:
             self.c[layer] = grow(self.c[layer], T, 2)
             self.c[layer][seq, :, :T] = c
-        self.sub.prefill(layer, seq, k, c)
+        self.sub.prefill(layer, seq, k, c, pooled)
         if layer == cfg.n_layer - 1:
             self.set_length(seq, T)
 
