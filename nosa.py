@@ -164,18 +164,16 @@ def select_tiles(q, K_sub, lists, q_pos, nb, cfg, first):
     tile of BT queries the union of the blocks they selected and which of them selected each), so no
     (T, nb) tensor is ever whole. lists: block_lists of the query blocks from `first` on, or None.
     One Triton kernel on a GPU (select_tiles_triton), its twin select_tiles_torch elsewhere."""
-    Bz, T = q.shape[0], q.shape[2]
+    T = q.shape[2]
     BT = attention.tile_size(cfg.G, cfg.B)
-    U, nT = min(nb, BT * cfg.k), triton.cdiv(T, BT)  # a tile's union holds at most BT * k blocks
-    idx = torch.full((Bz, cfg.H_kv, nT, U), -1, dtype=torch.int32, device=q.device)
-    bits, n = torch.zeros_like(idx), torch.zeros(Bz, cfg.H_kv, nT, dtype=torch.int32, device=q.device)
+    U = min(nb, BT * cfg.k)  # a tile's union holds at most BT * k blocks
+    parts = []
     for t in range(0, T, SELECT_ROWS):  # a multiple of BT: chunks hold whole tiles
         pos = q_pos[:, t:t + SELECT_ROWS]
         Q = pooling.query_aware_scores(q[:, :, t:t + SELECT_ROWS], K_sub, pos, nb, cfg)  # (Bz, H_kv, R, nb)
         f = select_tiles_triton if Q.is_cuda and Q.dtype == torch.float32 else select_tiles_torch
-        part = f(Q, lists, first, pos, cfg, BT, U)
-        for out, x in zip((idx, bits, n), part):
-            out[:, :, t // BT:t // BT + x.shape[2]] = x
+        parts.append(f(Q, lists, first, pos, cfg, BT, U))
+    idx, bits, n = parts[0] if len(parts) == 1 else (torch.cat(x, 2) for x in zip(*parts))
     return attention.Tiles(idx, bits, n, BT, T)
 
 
@@ -288,7 +286,7 @@ def _select_step_kernel(QS, IDS, POS, OUT, nb, H_kv: tl.constexpr, NBP: tl.const
 
 @triton.jit
 def _select_tiles_kernel(QS, IDS, POS, SCRATCH, T_IDX, T_BITS, T_N, T, nb, first, NQB, U, H_kv: tl.constexpr,
-                         BT: tl.constexpr, NBP: tl.constexpr, N_LIST: tl.constexpr, NLP: tl.constexpr,
+                         BT: tl.constexpr, UP: tl.constexpr, NBP: tl.constexpr, N_LIST: tl.constexpr, NLP: tl.constexpr,
                          B: tl.constexpr, N_SINK: tl.constexpr, N_WIN: tl.constexpr, K: tl.constexpr,
                          KQ: tl.constexpr, N_CORE: tl.constexpr):
     """One program per tile of BT queries and KV head: each query's mask in turn (_gamma, into the
@@ -312,7 +310,11 @@ def _select_tiles_kernel(QS, IDS, POS, SCRATCH, T_IDX, T_BITS, T_N, T, nb, first
     at = tl.cumsum(union.to(tl.int32), 0) - 1  # place in the tile's list, ascending by block
     tl.store(T_IDX + prog * U + at, blocks, mask=union)
     tl.store(T_BITS + prog * U + at, bits, mask=union)
-    tl.store(T_N + prog, tl.sum(union.to(tl.int32), 0))
+    n = tl.sum(union.to(tl.int32), 0)
+    tl.store(T_N + prog, n)
+    pad = tl.arange(0, UP)  # the rest of the list: -1, no bits
+    tl.store(T_IDX + prog * U + pad, tl.full([UP], -1, tl.int32), mask=(pad >= n) & (pad < U))
+    tl.store(T_BITS + prog * U + pad, tl.zeros([UP], tl.int32), mask=(pad >= n) & (pad < U))
 
 
 @triton.jit
@@ -379,13 +381,13 @@ def select_tiles_triton(Q, lists, first, q_pos, cfg, BT, U):
     Bz, H_kv, T, nb = Q.shape
     nT, NBP = triton.cdiv(T, BT), triton.next_power_of_2(nb)
     n = lists.shape[-1] if lists is not None else 0
-    idx = torch.full((Bz, H_kv, nT, U), -1, dtype=torch.int32, device=Q.device)
-    bits, count = torch.zeros_like(idx), torch.empty(Bz, H_kv, nT, dtype=torch.int32, device=Q.device)
+    idx = torch.empty(Bz, H_kv, nT, U, dtype=torch.int32, device=Q.device)
+    bits, count = torch.empty_like(idx), torch.empty(Bz, H_kv, nT, dtype=torch.int32, device=Q.device)
     scratch = torch.empty(Bz * H_kv * nT, NBP, dtype=torch.int8, device=Q.device)
     ids = lists.contiguous() if n else idx  # not read when there is no list
     _select_tiles_kernel[(nT, Bz * H_kv)](
         Q.contiguous(), ids, q_pos.contiguous(), scratch, idx, bits, count, T, nb, first,
-        lists.shape[2] if n else 1, U, H_kv=H_kv, BT=BT, NBP=NBP, N_LIST=n, NLP=triton.next_power_of_2(max(n, 1)),
-        B=cfg.B, N_SINK=cfg.n_sink, N_WIN=cfg.n_win, K=cfg.k, KQ=max(cfg.k_q_free, 0), N_CORE=cfg.n_core if n else 0,
-        num_warps=4)
+        lists.shape[2] if n else 1, U, H_kv=H_kv, BT=BT, UP=triton.next_power_of_2(U), NBP=NBP, N_LIST=n,
+        NLP=triton.next_power_of_2(max(n, 1)), B=cfg.B, N_SINK=cfg.n_sink, N_WIN=cfg.n_win, K=cfg.k,
+        KQ=max(cfg.k_q_free, 0), N_CORE=cfg.n_core if n else 0, num_warps=4)
     return idx, bits, count
