@@ -75,16 +75,21 @@ def plot_decode(plt):
 
 def plot_recall(plt):
     """Exact-match recall of the tasks against the distance from the fact, per system: every token
-    weighing alike in training (left), the answers weighing more (right)."""
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
-    weighted = [dict(r, system=WEIGHTED[r["system"], r["training"]]) for r in load("recall_weighted.json")
-                if (r["system"], r["training"]) in WEIGHTED]
+    weighing alike in training (left), the answers weighing more (middle), the tasks-first schedule
+    against a fifth of tasks throughout (right)."""
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.8), sharey=True)
+
+    def named(file, names):
+        return [dict(r, system=names[r["system"], r["training"]]) for r in load(file)
+                if (r["system"], r["training"]) in names]
     for ax, rows, title in ((axes[0], load("recall.json"), "every token alike"),
-                            (axes[1], weighted, "the answers weigh 100 (or 30)")):
+                            (axes[1], named("recall_weighted.json", WEIGHTED), "the answers weigh 100 (or 30)"),
+                            (axes[2], named("recall_staged_gpu.json", STAGED), "tasks first, then a fifth (x30)")):
         for system in dict.fromkeys(r["system"] for r in rows):
             rs = [r for r in rows if r["system"] == system]
-            style = dict(color=COLOURS[system.split(",")[0]], ls="--" if "scratch" in system else "-",
-                         alpha=0.5 if "x30" in system else 1.0)
+            style = dict(color=COLOURS[system.split(",")[0]],
+                         ls="--" if "scratch" in system or "throughout" in system else "-",
+                         alpha=0.5 if "x30" in system or "seed 2" in system else 1.0)
             ax.plot([r["distance"] for r in rs], [100 * r["accuracy"] for r in rs], "o", label=system, **style)
         ax.axvline(1024, color="grey", lw=0.8, ls=":")
         ax.text(1024, 100, " training length", fontsize=7, va="top")
@@ -107,6 +112,14 @@ WEIGHTED = {  # the curves of recall_weighted.json drawn, by (system, training)
     ("nosa", "recipe (full 1200, nosa 300), answers x100"): "nosa, recipe",
     ("nosa", "from scratch, answers x30, seed 2"): "nosa, from scratch, x30 (seed 2)",
     ("nosa", "from scratch, answers x100"): "nosa, from scratch"}
+STAGED = {  # the curves of recall_staged_gpu.json drawn, by (system, training)
+    ("full", "staged: tasks only for 500 steps, then a fifth for 1000, seed 1, answers x30"): "full, staged",
+    ("full-as-infllmv2", "staged: tasks only for 500 steps, then a fifth for 1000, seed 1, answers x30"):
+        "full-as-infllmv2",
+    ("nosa", "staged: tasks only for 500 steps, then a fifth for 1000, seed 1, answers x30"): "nosa, staged",
+    ("nosa", "staged: tasks only for 500 steps, then a fifth for 1000, seed 2, answers x30"): "nosa, staged, seed 2",
+    ("nosa", "a fifth of tasks for 1500 steps, seed 1, answers x30"): "nosa, a fifth throughout",
+    ("nosa", "a fifth of tasks for 1500 steps, seed 2, answers x30"): "nosa, a fifth throughout, seed 2"}
 
 
 def main():
