@@ -119,27 +119,37 @@ class PromptLayer:
 
 class ResidualStream:
     """A prompt's residual stream (1, T, dim) between the layers of a chunked prefill, read and
-    written C positions at a time (model.Transformer.prefill). On the device, or in pinned host
-    memory where it does not fit beside the cache: then the copies run on a stream of their own, the
-    next chunk's to the GPU and the last one's back while the current chunk computes."""
+    written C positions at a time, a pass a layer (model.Transformer.prefill). The first pass reads
+    the layer's input as `first(s)` makes it (the embeddings of the chunk at s), the others what the
+    pass before wrote. On the device, or in pinned host memory where it does not fit beside the cache:
+    then the copies run on a stream of their own, the next chunk's to the GPU and the last one's back
+    while the current chunk computes (during a pass's last chunk, the next pass's first)."""
 
-    def __init__(self, T, dim, C, device, dtype, on_host):
-        self.T, self.C, self.device = T, C, device
+    def __init__(self, T, dim, C, device, dtype, on_host, first):
+        self.T, self.C, self.device, self.first = T, C, device, first
         self.x = torch.empty(1, T, dim, dtype=dtype, device="cpu" if on_host else device, pin_memory=on_host)
         self.copies = torch.cuda.Stream(device) if on_host else None
+        self.ahead = None  # the next pass's first chunk, on its way
 
-    def chunks(self):
-        """(start, the chunk (1, C, dim) on the device) in order, the next one already on its way."""
-        if self.copies is None:
-            yield from ((s, self.x[:, s:s + self.C]) for s in range(0, self.T, self.C))
-            return
-        nxt = self.fetch(0)
+    def chunks(self, more):
+        """(start, the chunk (1, C, dim) on the device) in order, the next one already on its way.
+        more: another pass follows this one."""
+        first, self.first = self.first, None
+        nxt, self.ahead = self.ahead, None
         for s in range(0, self.T, self.C):
-            h, ready = nxt
-            torch.cuda.current_stream().wait_event(ready)  # this chunk is here (the copies after it may run on)
-            h.record_stream(torch.cuda.current_stream())  # its memory is not reused before the compute is done
-            if s + self.C < self.T:
-                nxt = self.fetch(s + self.C)
+            if first is not None:  # the first pass: its input as it is made
+                h = first(s)
+            elif self.copies is None:
+                h = self.x[:, s:s + self.C]
+            else:
+                h, ready = nxt or self.fetch(s)
+                torch.cuda.current_stream().wait_event(ready)  # this chunk is here (the copies after it may run on)
+                h.record_stream(torch.cuda.current_stream())  # its memory is not reused before the compute is done
+            if self.copies is not None:  # what comes next, on its way
+                if s + self.C < self.T:
+                    nxt = None if first is not None else self.fetch(s + self.C)
+                elif more:  # queued after the writes of this pass's chunks but the last: chunk 0's is among them
+                    self.ahead = self.fetch(0)
             yield s, h
 
     def fetch(self, s):  # chunk s to the device on the copy stream, after the writes before it

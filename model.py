@@ -204,13 +204,12 @@ class Transformer(nn.Module):
         T, dev = idx.shape[1], idx.device
         self.check_length(T, 0)
         C, dtype = chunk or T, self.embed_tokens.weight.dtype
-        x = ResidualStream(T, self.cfg.dim, C, dev, dtype, stream_on_host and dev.type == "cuda")
-        for s in range(0, T, C):
-            x.write(s, self.embed_tokens(idx[:, s:s + C]))
+        x = ResidualStream(T, self.cfg.dim, C, dev, dtype, stream_on_host and dev.type == "cuda",
+                           first=lambda s: self.embed_tokens(idx[:, s:s + C]))
         prompt = PromptLayer(self.cfg, T, dev, dtype, self.cfg.eviction_head)  # reused by every layer
         cos, sin = self.rope(torch.arange(T, device=dev)[None], dtype)  # (1, 1, T, d/2), for every layer
         for i, layer in enumerate(self.layers):
-            for s, h in x.chunks():
+            for s, h in x.chunks(more=i + 1 < len(self.layers)):
                 rope = cos[:, :, s:s + h.shape[1]], sin[:, :, s:s + h.shape[1]]
                 x.write(s, block(layer, h, rope, prompt, s))
             cache.prefill(i, seq, prompt.k[0], prompt.v[0], None if prompt.c is None else prompt.c[0],
