@@ -148,7 +148,7 @@ class ResidualStream:
             if self.copies is not None:  # what comes next, on its way
                 if s + self.C < self.T:
                     nxt = None if first is not None else self.fetch(s + self.C)
-                elif more:  # queued after the writes of this pass's chunks but the last: chunk 0's is among them
+                elif more and s > 0:  # queued after this pass's writes of the chunks before, chunk 0's among them
                     self.ahead = self.fetch(0)
             yield s, h
 

@@ -206,6 +206,40 @@ def test_chunked_prefill_equals_parallel_fp64(attn, chunk, lens):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-9)
 
 
+@pytest.mark.parametrize("T, C", [(200, 48), (96, 48), (48, 48), (200, 256), (1, 8)])
+def test_residual_stream_on_the_host_reads_what_the_pass_before_wrote(T, C, monkeypatch):
+    """kvcache.ResidualStream's host path in program order (its copies made synchronous, each fetch a
+    copy): every pass reads what the pass before wrote, also where a pass is a single chunk, whose
+    write comes after the point where a longer pass fetches the next pass's first chunk."""
+    import contextlib
+
+    import kvcache
+
+    class Stream:  # the copy and compute streams, synchronous
+        def wait_event(self, event):
+            pass
+
+        def wait_stream(self, stream):
+            pass
+
+        def record_event(self):
+            return None
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    monkeypatch.setattr(kvcache.ResidualStream, "fetch", lambda self, s: (self.x[:, s:s + self.C].clone(), None))
+    emb = torch.randn(1, T, 4)
+    x = kvcache.ResidualStream(T, 4, C, "cpu", torch.float32, False, first=lambda s: emb[:, s:s + C].clone())
+    x.copies = Stream()  # the host path
+    want = emb
+    for i in range(3):  # three layers: each doubles its input and adds its index
+        for s, h in x.chunks(more=i < 2):
+            x.write(s, 2 * h + i)
+        want = 2 * want + i
+    torch.testing.assert_close(x.last(), want[:, -1], rtol=0, atol=0)
+    torch.testing.assert_close(x.x, want, rtol=0, atol=0)
+
+
 def test_prefill_keeps_the_cache_and_the_lengths_of_other_rows():
     """Prefilling row 1 leaves row 0 as it was; both then decode as the parallel forward says."""
     model = make_model("nosa", torch.float64)
