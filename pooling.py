@@ -119,15 +119,14 @@ def _qscore_kernel(Q, KD, QPOS, OUT, scale, T, M, NB, Q_B,
     M_ALL = tl.minimum(tl.where(p_first >= L_C, (p_first - L_C) // S_C + 1, 0), M)
     m_full = tl.where((G == GP) & (tile * BT + BT <= T), M_ALL // BM * BM, 0)  # tiles no mask needs to touch
     # pass 1: softmax statistics over the sub-blocks each query sees (m_i, l_i in base 2). The max is taken
-    # of the raw products, so that scaling and subtracting it are one multiply-add; each tile's products
-    # are issued one step ahead (s_next), so the tensor cores work while the statistics are formed.
+    # of the raw products, so that scaling and subtracting it are one multiply-add. (Each step waits for
+    # its products: issuing the next step's ahead overlaps nothing, Triton waits for them at once, and
+    # costs a second tile of registers and 64 moves a step.)
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
-    s_next = _qk(q, KD, b, h, 0, BM, D)
     for m0 in range(0, M_VIS, BM):
         offs_m = m0 + tl.arange(0, BM)
-        s = s_next
-        s_next = _qk(q, KD, b, h, m0 + BM, BM, D)
+        s = _qk(q, KD, b, h, m0, BM, D)
         if m0 >= m_full:
             vis = (offs_m[None, :] < M) & (offs_m[None, :] * S_C + L_C - 1 <= pos[:, None])
             s = tl.where(vis, s, float("-inf"))
@@ -140,11 +139,9 @@ def _qscore_kernel(Q, KD, QPOS, OUT, scale, T, M, NB, Q_B,
     # up to M_VIS from the products, then P = 0 (sub-blocks no query of the tile sees: no products)
     t_tok = tile * BT + tl.arange(0, BT)
     carry = tl.full([BT], float("-inf"), tl.float32)
-    s_next = _qk(q, KD, b, h, 0, BM, D)
     for m0 in range(0, tl.cdiv(M_VIS, BM) * BM, BM):
         offs_m = m0 + tl.arange(0, BM)
-        s = s_next
-        s_next = _qk(q, KD, b, h, m0 + BM, BM, D)
+        s = _qk(q, KD, b, h, m0, BM, D)
         p = tl.exp2(s * scale2 - lse[:, None])
         if m0 >= m_full:
             vis = (offs_m[None, :] < M) & (offs_m[None, :] * S_C + L_C - 1 <= pos[:, None]) & row_ok[:, None]
