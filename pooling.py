@@ -100,7 +100,8 @@ def _qscore_kernel(Q, KD, QPOS, OUT, scale, T, M, NB, Q_B,
     of its KV head: pass 1 the softmax statistics of every row, pass 2 P summed over the group's heads
     and max-pooled to blocks, NBT blocks (NBT * r sub-blocks) at a time. In base 2 (exp2, scores times
     log2 e), each row's log-sum-exp folded into the exponent; the sub-blocks every row of the tile sees
-    are read without a mask."""
+    are read without a mask. Each step waits for its products (Triton waits for a dot where it is used:
+    issuing the next step's early overlapped nothing and cost a second tile of registers)."""
     tile, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H_kv, bh % H_kv
     ROWS: tl.constexpr = BT * GP
@@ -119,14 +120,12 @@ def _qscore_kernel(Q, KD, QPOS, OUT, scale, T, M, NB, Q_B,
     M_ALL = tl.minimum(tl.where(p_first >= L_C, (p_first - L_C) // S_C + 1, 0), M)
     m_full = tl.where((G == GP) & (tile * BT + BT <= T), M_ALL // BM * BM, 0)  # tiles no mask needs to touch
     # pass 1: softmax statistics over the sub-blocks each query sees (m_i, l_i in base 2). The max is taken
-    # of the raw products, so that scaling and subtracting it are one multiply-add. (Each step waits for
-    # its products: issuing the next step's ahead overlaps nothing, Triton waits for them at once, and
-    # costs a second tile of registers and 64 moves a step.)
+    # of the raw products, so that scaling and subtracting it are one multiply-add.
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     for m0 in range(0, M_VIS, BM):
         offs_m = m0 + tl.arange(0, BM)
-        s = _qk(q, KD, b, h, m0, BM, D)
+        s = tl.dot(q, tl.trans(KD.load([b, h, m0, 0]).reshape(BM, D)))  # (ROWS, BM); zeros past M
         if m0 >= m_full:
             vis = (offs_m[None, :] < M) & (offs_m[None, :] * S_C + L_C - 1 <= pos[:, None])
             s = tl.where(vis, s, float("-inf"))
@@ -136,28 +135,24 @@ def _qscore_kernel(Q, KD, QPOS, OUT, scale, T, M, NB, Q_B,
         m_i = m_new
     lse = tl.where(m_i == float("-inf"), 0.0, m_i) + tl.log2(tl.where(l_i > 0, l_i, 1.0))
     # pass 2: P = exp2(s - lse) summed over the heads of the group, max-pooled to blocks (_pool_store);
-    # up to M_VIS from the products, then P = 0 (sub-blocks no query of the tile sees: no products)
+    # up to M_VIS from the products, then P = 0 (sub-blocks no query of the tile sees: no products).
+    # The products are taken transposed, K̃ q^T: a thread of the tensor cores' tile then holds a quarter
+    # of a token's heads in its own registers, so the sum over the heads is mostly additions in
+    # registers and two shuffles, where rows of (token, head) spread the heads over 8 threads.
     t_tok = tile * BT + tl.arange(0, BT)
     carry = tl.full([BT], float("-inf"), tl.float32)
     for m0 in range(0, tl.cdiv(M_VIS, BM) * BM, BM):
         offs_m = m0 + tl.arange(0, BM)
-        s = _qk(q, KD, b, h, m0, BM, D)
-        p = tl.exp2(s * scale2 - lse[:, None])
+        sT = tl.dot(KD.load([b, h, m0, 0]).reshape(BM, D), tl.trans(q))  # (BM, ROWS)
+        p = tl.exp2(sT * scale2 - lse[None, :])
         if m0 >= m_full:
-            vis = (offs_m[None, :] < M) & (offs_m[None, :] * S_C + L_C - 1 <= pos[:, None]) & row_ok[:, None]
+            vis = (offs_m[:, None] < M) & (offs_m[:, None] * S_C + L_C - 1 <= pos[None, :]) & row_ok[None, :]
             p = tl.where(vis, p, 0.0)
-        P = tl.sum(tl.reshape(p, (BT, GP, BM)), 1)  # (BT, BM)
+        P = tl.trans(tl.sum(tl.reshape(p, (BM, BT, GP)), 2))  # (BT, BM)
         carry = _pool_store(P, m0, carry, OUT, bh, t_tok, T, M, NB, BT, NBT, R_SUB, P_OVER)
     for m0 in range(tl.cdiv(M_VIS, BM) * BM, NB * R_SUB, BM):
         carry = _pool_store(tl.zeros([BT, BM], tl.float32), m0, carry, OUT, bh, t_tok, T, M, NB, BT, NBT, R_SUB,
                             P_OVER)
-
-
-@triton.jit
-def _qk(q, KD, b, h, m0, BM: tl.constexpr, D: tl.constexpr):
-    """q · K̃ of the tile's rows against the compressed keys m0 .. m0 + BM - 1 (zeros past M): (ROWS, BM).
-    Products with the keys no row sees are masked by the caller."""
-    return tl.dot(q, tl.trans(KD.load([b, h, m0, 0]).reshape(BM, D)))
 
 
 @triton.jit
