@@ -410,7 +410,7 @@ def append_subblocks_triton(ring_k, ring_c, K_sub, c_sub, core_ids, core_E, k, c
     Bz, H_kv, l_c, d = ring_k.shape
     has_c, has_core = c is not None, core_ids is not None
     n = core_ids.shape[-1] if has_core else 1
-    r, p = cfg.B // cfg.s_c, (cfg.l_c - 1) // cfg.s_c  # pooling.overlapping_subblocks
+    r, p = pooling.overlap(cfg)
     _append_kernel[(Bz * H_kv,)](
         ring_k, ring_c if has_c else ring_k, K_sub, c_sub if has_c else K_sub, core_ids if has_core else ring_k,
         core_E if has_core else ring_k, k.contiguous(), c.contiguous() if has_c else k, pos, K_sub.shape[2],

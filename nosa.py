@@ -353,7 +353,7 @@ def block_lists_triton(c_sub, first, last, cfg, carry):
     """The kernel; same arguments and result as block_lists."""
     ids, E, b0 = carry
     Bz, H_kv, n = ids.shape
-    r, p = cfg.B // cfg.s_c, (cfg.l_c - 1) // cfg.s_c  # pooling.overlapping_subblocks
+    r, p = pooling.overlap(cfg)
     lists = torch.empty(Bz, H_kv, last - first + 1, n, dtype=ids.dtype, device=ids.device)
     out = torch.empty_like(ids), torch.empty_like(E)
     _block_lists_kernel[(Bz * H_kv,)](c_sub.contiguous(), ids.contiguous(), E.contiguous(), lists, *out,

@@ -53,9 +53,14 @@ def compress_keys(k, cfg):
     return pool_mean(k.transpose(-1, -2), cfg).transpose(-1, -2)
 
 
+def overlap(cfg):
+    """(r, p): a block's own sub-blocks, and how many of the block before's last ones also overlap it."""
+    return cfg.B // cfg.s_c, (cfg.l_c - 1) // cfg.s_c
+
+
 def overlapping_subblocks(b, cfg):
     """The sub-blocks that overlap block b: b (...,) block ids -> (..., r+p) sub-block ids (some < 0)."""
-    r, p = cfg.B // cfg.s_c, (cfg.l_c - 1) // cfg.s_c
+    r, p = overlap(cfg)
     return b[..., None] * r - p + torch.arange(r + p, device=b.device)
 
 
@@ -180,7 +185,7 @@ def query_aware_scores_triton(q, K_sub, q_pos, nb, cfg):
     Bz, H_q, T, D = q.shape
     H_kv, M = K_sub.shape[1], K_sub.shape[2]
     G, GP = H_q // H_kv, triton.next_power_of_2(H_q // H_kv)
-    r, p = cfg.B // cfg.s_c, (cfg.l_c - 1) // cfg.s_c
+    r, p = overlap(cfg)
     BT = max(1, 128 // GP)  # about 128 rows x 64 sub-blocks a tile, 4 warps, 2 stages: the fastest of a sweep (H200)
     NBT = max(1, 64 // r)
     out = torch.empty(Bz, H_kv, T, nb, device=q.device, dtype=torch.float32)
@@ -259,7 +264,7 @@ def query_aware_scores_decode(q, K_sub, q_pos, nb, cfg, CM=128, NBT=64):
     H_kv, M = K_sub.shape[1], K_sub.shape[2]
     R, G = Bz * H_kv, H_q // H_kv
     GP = max(16, triton.next_power_of_2(G))
-    r, p = cfg.B // cfg.s_c, (cfg.l_c - 1) // cfg.s_c
+    r, p = overlap(cfg)
     NC = triton.cdiv(M, CM)
     s = torch.empty(R, GP, M, device=q.device, dtype=torch.float32)
     mx = torch.empty(R, NC, GP, device=q.device, dtype=torch.float32)
@@ -278,7 +283,7 @@ def query_aware_scores_decode(q, K_sub, q_pos, nb, cfg, CM=128, NBT=64):
 
 def query_aware_scores(q, K_sub, q_pos, nb, cfg):
     """Q[t, b] (see query_aware_scores_torch): the Triton kernel on a GPU, the twin elsewhere."""
-    d, r, p = q.shape[-1], cfg.B // cfg.s_c, (cfg.l_c - 1) // cfg.s_c
+    d, (r, p) = q.shape[-1], overlap(cfg)
     if (q.is_cuda and q.dtype != torch.float64 and d >= 16 and d & (d - 1) == 0 and r & (r - 1) == 0 and p <= r
             and K_sub.shape[2] > 0):
         if q.shape[2] == 1:  # decoding: one query per sequence
