@@ -19,7 +19,8 @@ the tests (tests/test_kernels.py, run under TRITON_INTERPRET=1 on CPU). Kernel d
     the dots are (BT·G, d) x (d, B); which row may see which block comes from the block's bits;
   - K and V blocks come through TMA descriptors (common.tma_descriptor): each SM's copy unit loads a
     block with no addresses in registers (the forward 1.12x faster than with pointer loads on one 8b
-    chunk at 124K, 6% over a whole 128K prefill; BENCHMARKS.md);
+    chunk at 124K, 6% over a whole 128K prefill; BENCHMARKS.md); the backward's dK/dV kernel reads
+    each tile's q and dO the same way;
   - the bias is added after the 1/√d scale, the softmax is online, in fp32;
   - backward: dq per tile as in the forward; dk, dv and dc (column sums of dS) per key block, over
     the tiles that selected it (the tiles' lists sorted by block), in chunks that add up atomically
@@ -197,15 +198,17 @@ def _sparse_bwd_dq(Q, KD, VD, C, T_IDX, T_BITS, T_N, QPOS, DO, LSE, DELTA, DQ, s
 
 
 @triton.jit
-def _sparse_bwd_dkv(Q, K, V, C, REV_OFF, REV_TILE, REV_BITS, QPOS, DO, LSE, DELTA, DK, DV, DC, scale, T, S, NB,
+def _sparse_bwd_dkv(QD, K, V, C, REV_OFF, REV_TILE, REV_BITS, QPOS, DOD, LSE, DELTA, DK, DV, DC, scale, T, S, NB,
                     H_kv: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
                     BT: tl.constexpr, CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr):
     """dK, dV, dc of one key block from one chunk of the query tiles that selected it; chunks of a
-    much-selected block (the sink, the window) run in parallel and add up atomically in fp32."""
+    much-selected block (the sink, the window) run in parallel and add up atomically in fp32. q and
+    dO come as TMA boxes (1, GP, BT, d) of (Bz, H_q, T, d): a tile's rows ordered (head, token)."""
     blk, chunk, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     lo, hi = tl.load(REV_OFF + bh * NB + blk), tl.load(REV_OFF + bh * NB + blk + 1)
     j0 = lo + chunk * CHUNK
     if j0 < hi:
+        b, h = bh // H_kv, bh % H_kv
         offs_d, offs_n = tl.arange(0, D), tl.arange(0, B)
         kv = (bh * S + blk * B + offs_n[:, None]) * D + offs_d[None, :]
         k_ok = blk * B + offs_n < S
@@ -214,11 +217,15 @@ def _sparse_bwd_dkv(Q, K, V, C, REV_OFF, REV_TILE, REV_BITS, QPOS, DO, LSE, DELT
         dk = tl.zeros([B, D], tl.float32)
         dv = tl.zeros([B, D], tl.float32)
         dc = tl.zeros([B], tl.float32)
+        r = tl.arange(0, BT * GP)
+        g = r // BT
         for j in range(j0, tl.minimum(j0 + CHUNK, hi)):
             t0, bits = tl.load(REV_TILE + j) * BT, tl.load(REV_BITS + j)
-            b, t, row_ok, rows = _tile_rows(t0, bh, T, H_kv, G, GP, BT * GP)
-            q = tl.load(Q + rows[:, None] * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-            do = tl.load(DO + rows[:, None] * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+            t = t0 + r % BT
+            row_ok = (t < T) & (g < G)
+            rows = (b * H_kv * G + h * G + g) * T + t
+            q = QD.load([b, h * G, t0, 0]).reshape(BT * GP, D)  # zeros past T and past the heads
+            do = DOD.load([b, h * G, t0, 0]).reshape(BT * GP, D)
             lse = tl.load(LSE + rows, mask=row_ok, other=0.0)
             delta = tl.load(DELTA + rows, mask=row_ok, other=0.0)
             s, ok = _scores(q, kb, C, QPOS, bits, b, bh * S, t, t0, row_ok, blk, T, S, scale, B, HAS_BIAS)
@@ -239,6 +246,7 @@ def _sparse_bwd_dkv(Q, K, V, C, REV_OFF, REV_TILE, REV_BITS, QPOS, DO, LSE, DELT
 
 LAUNCH = dict(num_warps=4, num_stages=3)  # the tiled forward: the fastest of a sweep at 128K (H200)
 LAUNCH_BWD = dict(num_warps=4, num_stages=2)  # the backward's two kernels: the fastest of a sweep at 64K
+DKV_CHUNK = 256  # query tiles per program of the dK/dV kernel: fewer atomic adds (32: 1.11x slower at 128K)
 
 
 def tile_size(G, B):
@@ -306,12 +314,12 @@ class SparseAttention(torch.autograd.Function):
         _sparse_bwd_dq[(nT, Bz * H_kv)](q, kd, vd, c, idx, bits, n, q_pos, do, lse, delta, dq, scale, T, S, U,
                                        **meta, **LAUNCH_BWD)
         off, rev_tile, rev_bits, most = tiles_by_block(Tiles(idx, bits, n, ctx.BT, T), nb)
-        chunk = 32
         dk, dv = (torch.zeros(Bz, H_kv, S, D, device=q.device, dtype=torch.float32) for _ in range(2))
         dc = torch.zeros(Bz, H_kv, S, device=q.device, dtype=torch.float32)
-        _sparse_bwd_dkv[(nb, triton.cdiv(most, chunk), Bz * H_kv)](
-            q, k, v, c, off, rev_tile, rev_bits, q_pos, do, lse, delta, dk, dv, dc, scale, T, S, nb,
-            CHUNK=chunk, **meta, **LAUNCH_BWD)
+        qd, dod = (tma_descriptor(x, (1, meta["GP"], ctx.BT, D)) for x in (q, do))
+        _sparse_bwd_dkv[(nb, triton.cdiv(most, DKV_CHUNK), Bz * H_kv)](
+            qd, k, v, c, off, rev_tile, rev_bits, q_pos, dod, lse, delta, dk, dv, dc, scale, T, S, nb,
+            CHUNK=DKV_CHUNK, **meta, **LAUNCH_BWD)
         return dq, dk.to(k.dtype), dv.to(v.dtype), (dc if meta["HAS_BIAS"] else None), None, None, None
 
 

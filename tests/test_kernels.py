@@ -76,6 +76,12 @@ def test_sparse_attention_kernel_matches_twin(G, d, T, B, k, BT, dtype):
         assert rel_err(got, want) < tol, (name, rel_err(got, want))
 
 
+def test_sparse_attention_backward_in_chunks_of_tiles(monkeypatch):
+    """dK, dV and dc of a block from several programs (its tiles in chunks, added atomically)."""
+    monkeypatch.setattr(attention, "DKV_CHUNK", 2)
+    test_sparse_attention_kernel_matches_twin(*CASES[2], torch.float32)
+
+
 def test_tma_descriptor_reads_aligned_views_in_place_and_copies_the_rest():
     buf = torch.randn(2, 3, 40, 16, device=DEV)
     view = buf[:, :, :33]  # a prefill's keys so far: a view of a longer buffer
