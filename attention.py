@@ -214,11 +214,13 @@ def _sparse_bwd_dkv(QD, K, V, C, REV_OFF, REV_TILE, REV_BITS, QPOS, DOD, LSE, DE
         k_ok = blk * B + offs_n < S
         kb = tl.load(K + kv, mask=k_ok[:, None], other=0.0)
         vb = tl.load(V + kv, mask=k_ok[:, None], other=0.0)
+        c_blk = tl.load(C + bh * S + blk * B + offs_n, mask=k_ok, other=0.0) if HAS_BIAS else tl.zeros([B], tl.float32)
         dk = tl.zeros([B, D], tl.float32)
         dv = tl.zeros([B, D], tl.float32)
         dc = tl.zeros([B], tl.float32)
         r = tl.arange(0, BT * GP)
         g = r // BT
+        tok = blk * B + offs_n
         for j in range(j0, tl.minimum(j0 + CHUNK, hi)):
             t0, bits = tl.load(REV_TILE + j) * BT, tl.load(REV_BITS + j)
             t = t0 + r % BT
@@ -228,12 +230,15 @@ def _sparse_bwd_dkv(QD, K, V, C, REV_OFF, REV_TILE, REV_BITS, QPOS, DOD, LSE, DE
             do = DOD.load([b, h * G, t0, 0]).reshape(BT * GP, D)
             lse = tl.load(LSE + rows, mask=row_ok, other=0.0)
             delta = tl.load(DELTA + rows, mask=row_ok, other=0.0)
-            s, ok = _scores(q, kb, C, QPOS, bits, b, bh * S, t, t0, row_ok, blk, T, S, scale, B, HAS_BIAS)
-            p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)  # (ROWS, B)
-            dv += tl.dot(tl.trans(p).to(do.dtype), do)
-            ds = p * (tl.dot(do, tl.trans(vb)) - delta[:, None])
-            dk += tl.dot(tl.trans(ds).to(q.dtype), q)
-            dc += tl.sum(ds, 0)
+            pos = tl.load(QPOS + b * T + t, mask=row_ok, other=-1)
+            last = tl.where(((bits >> (t - t0)) & 1) > 0, pos, -1)  # the last key each row may see here
+            # transposed, (keys, rows): p^T and dS^T are the left operands of dV and dK as they come
+            sT = tl.dot(kb, tl.trans(q)) * scale + c_blk[:, None]
+            pT = tl.where(tok[:, None] <= last[None, :], tl.exp(sT - lse[None, :]), 0.0)
+            dv += tl.dot(pT.to(do.dtype), do)
+            dsT = pT * (tl.dot(vb, tl.trans(do)) - delta[None, :])
+            dk += tl.dot(dsT.to(q.dtype), q)
+            dc += tl.sum(dsT, 1)
         tl.atomic_add(DK + kv, dk * scale, mask=k_ok[:, None])
         tl.atomic_add(DV + kv, dv, mask=k_ok[:, None])
         if HAS_BIAS:
