@@ -174,17 +174,21 @@ def _sparse_fwd(Q, KD, VD, C, T_IDX, T_BITS, T_N, QPOS, O, LSE, scale, T, S, U, 
 
 
 @triton.jit
-def _sparse_bwd_dq(Q, KD, VD, C, T_IDX, T_BITS, T_N, QPOS, DO, LSE, DELTA, DQ, scale, T, S, U,
+def _sparse_bwd_dq(Q, KD, VD, C, T_IDX, T_BITS, T_N, QPOS, O, DO, LSE, DELTA, DQ, scale, T, S, U,
                    H_kv: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
                    BT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """dq of a query tile, as the forward walks its blocks; it also writes rowsum(dO ∘ O), which the
+    dK/dV kernel reads."""
     tile, bh = tl.program_id(0), tl.program_id(1)
     t0, prog = tile * BT, bh * tl.num_programs(0) + tile
     b, t, row_ok, rows = _tile_rows(t0, bh, T, H_kv, G, GP, BT * GP)
     offs_d = tl.arange(0, D)
     q = tl.load(Q + rows[:, None] * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     do = tl.load(DO + rows[:, None] * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    o = tl.load(O + rows[:, None] * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    tl.store(DELTA + rows, delta, mask=row_ok)
     lse = tl.load(LSE + rows, mask=row_ok, other=0.0)
-    delta = tl.load(DELTA + rows, mask=row_ok, other=0.0)
     dq = tl.zeros([BT * GP, D], tl.float32)
     for i in range(tl.load(T_N + prog)):
         blk, bits = tl.load(T_IDX + prog * U + i), tl.load(T_BITS + prog * U + i)
@@ -312,11 +316,11 @@ class SparseAttention(torch.autograd.Function):
         H_kv, S = k.shape[1], k.shape[2]
         nT, U, nb = idx.shape[2], idx.shape[3], triton.cdiv(S, meta["B"])
         do = do.contiguous()
-        delta = (fp32(do) * fp32(o)).sum(-1)  # (Bz, H_q, T) rowsum(dO ∘ O)
+        delta = torch.empty(Bz, H_q, T, device=q.device, dtype=torch.float32)  # rowsum(dO ∘ O), by the dq kernel
         scale = 1.0 / math.sqrt(D)
         dq = torch.empty_like(q)
         kd, vd = (tma_descriptor(x, (1, 1, meta["B"], D)) for x in (k, v))
-        _sparse_bwd_dq[(nT, Bz * H_kv)](q, kd, vd, c, idx, bits, n, q_pos, do, lse, delta, dq, scale, T, S, U,
+        _sparse_bwd_dq[(nT, Bz * H_kv)](q, kd, vd, c, idx, bits, n, q_pos, o, do, lse, delta, dq, scale, T, S, U,
                                        **meta, **LAUNCH_BWD)
         off, rev_tile, rev_bits, most = tiles_by_block(Tiles(idx, bits, n, ctx.BT, T), nb)
         dk, dv = (torch.zeros(Bz, H_kv, S, D, device=q.device, dtype=torch.float32) for _ in range(2))
