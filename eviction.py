@@ -92,8 +92,11 @@ def core_blocks(E, cand, n_core):
 def block_score(c_sub, b, cfg):
     """E of one block per row: c̃ (..., M), b (...,) block ids -> (...,), as eviction_block_scores."""
     m = pooling.overlapping_subblocks(b, cfg)  # (..., r+p)
-    valid = (m >= 0) & (m < c_sub.shape[-1])
-    return c_sub.gather(-1, m.clamp(0, c_sub.shape[-1] - 1)).masked_fill(~valid, float("-inf")).amax(-1)
+    M = c_sub.shape[-1]
+    if M == 0:  # no whole sub-block yet: no block has a score
+        return torch.full(b.shape, float("-inf"), dtype=c_sub.dtype, device=c_sub.device)
+    valid = (m >= 0) & (m < M)
+    return c_sub.gather(-1, m.clamp(0, M - 1)).masked_fill(~valid, float("-inf")).amax(-1)
 
 
 def best_first(ids, E, n):

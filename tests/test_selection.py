@@ -352,6 +352,20 @@ def test_selection_from_block_lists_equals_the_definition(cfg, data, attn):
     assert torch.equal(got, want)
 
 
+def test_block_lists_before_the_first_whole_subblock():
+    """Queries before the first whole sub-block (l_c > B here): no block has an E yet, and the lists
+    give the definition's blocks (a case hypothesis found: E of a block over no sub-blocks)."""
+    from dataclasses import replace
+    cfg = replace(Config.from_preset("tiny"), B=2, l_c=4, s_c=2, n_sink=0, n_win=1, k=2, k_q=1)
+    c_sub = torch.zeros(2, 2, 0, dtype=torch.float64)
+    assert torch.equal(eviction.block_score(c_sub, torch.zeros(2, 2, dtype=torch.long), cfg),
+                       torch.full((2, 2), float("-inf"), dtype=torch.float64))
+    q_pos = torch.arange(5).expand(2, 5)
+    Q = torch.randn(2, 2, 5, 1, dtype=torch.float64)
+    want = nosa.select_blocks(Q, eviction.eviction_block_scores(c_sub, 1, cfg), q_pos[:, None], cfg)
+    assert torch.equal(nosa.select_blocks(Q, None, q_pos[:, None], cfg, nosa.core_lists(c_sub, q_pos, cfg)), want)
+
+
 @pytest.mark.parametrize("inf_in", ["Q", "E", "both"])
 def test_minus_inf_scores_still_fill_the_budget(inf_in):
     """The rule for scores of -inf: a candidate of score -inf is still a candidate, and fills the
