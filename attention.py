@@ -24,7 +24,8 @@ the tests (tests/test_kernels.py, run under TRITON_INTERPRET=1 on CPU). Kernel d
   - the bias is added after the 1/√d scale, the softmax is online, in fp32;
   - backward: dq per tile as in the forward; dk, dv and dc (column sums of dS) per key block, over
     the tiles that selected it (the tiles' lists sorted by block), in chunks that add up atomically
-    in fp32, so the blocks every query selects (sink, window) do not serialise the launch.
+    in fp32, so the blocks every query selects (sink, window) do not serialise the launch; its
+    products are taken as (keys, rows), so p^T and dS^T feed dV and dK without a transpose.
 """
 import math
 from typing import NamedTuple
