@@ -215,17 +215,17 @@ def _sparse_bwd_dkv(QD, K, V, C, REV_OFF, REV_TILE, REV_BITS, QPOS, DOD, LSE, DE
     if j0 < hi:
         b, h = bh // H_kv, bh % H_kv
         offs_d, offs_n = tl.arange(0, D), tl.arange(0, B)
-        kv = (bh * S + blk * B + offs_n[:, None]) * D + offs_d[None, :]
-        k_ok = blk * B + offs_n < S
+        tok = blk * B + offs_n
+        kv = (bh * S + tok[:, None]) * D + offs_d[None, :]
+        k_ok = tok < S
         kb = tl.load(K + kv, mask=k_ok[:, None], other=0.0)
         vb = tl.load(V + kv, mask=k_ok[:, None], other=0.0)
-        c_blk = tl.load(C + bh * S + blk * B + offs_n, mask=k_ok, other=0.0) if HAS_BIAS else tl.zeros([B], tl.float32)
+        c_blk = tl.load(C + bh * S + tok, mask=k_ok, other=0.0) if HAS_BIAS else tl.zeros([B], tl.float32)
         dk = tl.zeros([B, D], tl.float32)
         dv = tl.zeros([B, D], tl.float32)
         dc = tl.zeros([B], tl.float32)
         r = tl.arange(0, BT * GP)
         g = r // BT
-        tok = blk * B + offs_n
         for j in range(j0, tl.minimum(j0 + CHUNK, hi)):
             t0, bits = tl.load(REV_TILE + j) * BT, tl.load(REV_BITS + j)
             t = t0 + r % BT
@@ -247,7 +247,7 @@ def _sparse_bwd_dkv(QD, K, V, C, REV_OFF, REV_TILE, REV_BITS, QPOS, DOD, LSE, DE
         tl.atomic_add(DK + kv, dk * scale, mask=k_ok[:, None])
         tl.atomic_add(DV + kv, dv, mask=k_ok[:, None])
         if HAS_BIAS:
-            tl.atomic_add(DC + bh * S + blk * B + offs_n, dc, mask=k_ok)
+            tl.atomic_add(DC + bh * S + tok, dc, mask=k_ok)
 
 
 # -----------------------------------------------------------------------------
