@@ -141,38 +141,3 @@ def core_picks(ids, taken, n_core, nb):
     pick &= pick.cumsum(-1) <= n_core
     mask = torch.zeros(*ids.shape[:-1], nb + 1, dtype=torch.bool, device=ids.device)  # column nb: a spare
     return mask.scatter_(-1, torch.where(pick, ids, nb), True)[..., :nb]
-
-
-# -----------------------------------------------------------------------------
-# An addition to the paper, for training only (train.py --evict-rank): a direct signal for the order E
-# makes. The head otherwise learns only through the bias c on the keys that were selected, so a block E
-# never keeps gives it no gradient, and the text's gradient keeps the gates A small (BENCHMARKS.md).
-
-
-def ranking_loss(c, Q, cfg):
-    """How far E's order of the candidate blocks is from the one the later queries' own scores make.
-
-    Target of block b: y_b = the largest Q[t, b] over the queries t for which b is a candidate (past
-    their window, not a sink): how much the query that wants b most wants it. Loss: 1 - the correlation,
-    over those blocks, of E with log y, per sequence and KV head, averaged. A correlation does not
-    change with E's scale or offset: give c with A replaced by its sign (sign(A) ⊙ softplus(W_δ v),
-    the order E makes whatever |A|), and W_δ learns the order while A, which also scales the bias,
-    learns from the text alone. c (Bz, H_kv, T) with grad; Q (Bz, H_kv, T, nb) without."""
-    T, nb = Q.shape[-2], Q.shape[-1]
-    b = torch.arange(nb, device=Q.device)
-    q_blk = torch.arange(T, device=Q.device)[:, None] // cfg.B
-    cand = (b >= cfg.n_sink) & (b < q_blk - cfg.n_win)  # (T, nb)
-    y = Q.masked_fill(~cand, float("-inf")).amax(-2)  # (Bz, H_kv, nb)
-    valid = torch.isfinite(y) & (y > 0)
-    E = eviction_block_scores(pooling.pool_mean(c, cfg), nb, cfg)  # (Bz, H_kv, nb); -inf only past the candidates
-    w = valid.to(E.dtype)
-    n = w.sum(-1, keepdim=True).clamp(min=1)
-    e = torch.where(valid, E, 0.0)
-    e = (e - (e * w).sum(-1, keepdim=True) / n) * w
-    ly = torch.where(valid, y, 1.0).log()
-    ly = (ly - (ly * w).sum(-1, keepdim=True) / n) * w
-    spread = (e.square().sum(-1) + 1e-6 * n[..., 0]).sqrt()  # the floor: a nearly constant E gets a bounded gradient
-    corr = (e * ly).sum(-1) / (spread * ly.square().sum(-1).sqrt() + 1e-12)
-    rows = valid.sum(-1) >= 2  # a correlation needs two blocks
-    return (1 - corr[rows]).mean() if rows.any() else c.sum() * 0.0
-

@@ -30,8 +30,6 @@ import torch.nn.functional as F
 import checkpoint
 import common
 import config
-import eviction
-import pooling
 import tasks as recall
 from config import Config
 from model import Transformer
@@ -162,30 +160,6 @@ def lm_loss(logits, y, w=None):
     return loss if w is None else (loss * w.flatten()).sum() / w.sum()
 
 
-def eviction_ranking(model):
-    """Forward hooks on every attention layer that add its eviction head's ranking loss
-    (eviction.ranking_loss, train.py --evict-rank) to the returned list as the layer runs: the target
-    Q from the layer's own q and K̃ (no gradient), E from c with A's sign for A, from values without
-    gradient, so that the loss trains W_δ alone."""
-    losses, cfg = [], model.cfg
-
-    def hook(attn, args, out):
-        if not torch.is_grad_enabled():  # evaluation
-            return
-        x, rope = args[0], args[1]
-        with torch.no_grad():
-            q, k, v, _ = attn.qkvc(x, rope)
-            Bz, T = x.shape[0], x.shape[1]
-            pos = torch.arange(T, device=x.device).expand(Bz, T)
-            Q = pooling.query_aware_scores(q, pooling.compress_keys(k, cfg), pos, pooling.n_blocks(T, cfg), cfg)
-        sign = torch.where(attn.A >= 0, 1.0, -1.0)
-        losses.append(eviction.ranking_loss(eviction.eviction_score(v, sign, attn.delta.weight), Q.float(), cfg))
-
-    for layer in model.layers:
-        layer.self_attn.register_forward_hook(hook)
-    return losses
-
-
 # -----------------------------------------------------------------------------
 # Training
 
@@ -214,7 +188,7 @@ def evaluate(model, val, batch_size, T, device, n_batches=8):
 def main(preset="tiny", attn="nosa", out=None, data=None, data_dir=None, steps=120, batch_size=4, seq_len=1024,
          lr=3e-3, warmup=20, weight_decay=0.1, grad_clip=1.0, eval_every=40, seed=1337, device=None, resume=False,
          force=False, stop_at=None, save_bf16=False, log_every=10, evict_lr_mult=1.0, init_from=None, tasks=0.0,
-         corpus=None, answer_weight=1.0, evict_rank=0.0, **overrides):
+         corpus=None, answer_weight=1.0, **overrides):
     """Train; returns (model, last validation loss). `overrides` go to the Config (tests use tiny shapes).
     out defaults to out/{preset}-{attn} and data_dir to data/, both in the repository, whatever the
     working directory. An existing checkpoint in out is continued with resume, replaced with force,
@@ -222,8 +196,7 @@ def main(preset="tiny", attn="nosa", out=None, data=None, data_dir=None, steps=1
     e.g. NOSA continued from a dense model, as the paper trains; an eviction head it lacks starts
     from its initialisation (A = 0: the first steps compute what the dense model did). corpus: train on the
     token streams already prepared for that corpus id in data_dir, without its files (another machine's
-    standard library, carried as data/ID-VOCAB). evict_rank: the weight of the eviction heads' ranking
-    loss (eviction.ranking_loss) beside the text's; 0: the paper's training."""
+    standard library, carried as data/ID-VOCAB)."""
     for name, value, least in (("--steps", steps, 1), ("--batch-size", batch_size, 1), ("--seq-len", seq_len, 1),
                                ("--eval-every", eval_every, 1), ("--log-every", log_every, 1),
                                ("--warmup", warmup, 0), ("--stop-at", stop_at or 1, 1)):
@@ -255,9 +228,6 @@ def main(preset="tiny", attn="nosa", out=None, data=None, data_dir=None, steps=1
         cfg = Config.from_preset(preset, attn=attn, **overrides)
     if seq_len > cfg.max_seq_len:
         raise ValueError(f"--seq-len {seq_len} exceeds the preset's max_seq_len {cfg.max_seq_len}")
-    if evict_rank < 0 or (evict_rank and not cfg.eviction_head):
-        raise ValueError(f"--evict-rank {evict_rank}: a weight >= 0 of the eviction heads' ranking loss, in a mode "
-                         f"that has them (nosa, dma)")
     checkpoint.check_out(out)  # before anything: never into checkpoints/, over the user's files, or unwritable
     if resume and not checkpoint.is_checkpoint(out):
         raise FileNotFoundError(f"--resume: no checkpoint in {out!r} to continue; drop --resume to start a run there")
@@ -297,7 +267,7 @@ def main(preset="tiny", attn="nosa", out=None, data=None, data_dir=None, steps=1
     data_dir = os.path.join(data_dir, f"{corpus}-{cfg.vocab_size}")
     run = dict(seq_len=seq_len, batch_size=batch_size * world, lr=lr, warmup=warmup, weight_decay=weight_decay,
                grad_clip=grad_clip, seed=seed, evict_lr_mult=evict_lr_mult, corpus=corpus, tasks=tasks,
-               answer_weight=answer_weight, evict_rank=evict_rank)  # the run
+               answer_weight=answer_weight)  # the run
     if resume:  # continue exactly that run, or say which flag differs (older checkpoints lack some of these)
         flag = dict(batch_size="--batch-size (times the processes)", corpus="--data (its files changed, or others)")
         for key, value in run.items():
@@ -352,7 +322,6 @@ def main(preset="tiny", attn="nosa", out=None, data=None, data_dir=None, steps=1
         ids = [device.index] if device.type == "cuda" else None
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
 
-    ranking = eviction_ranking(raw) if evict_rank > 0 else None
     n_params = sum(p.numel() for p in raw.parameters())
     if master:
         print(f"{attn} | {n_params / 1e6:.2f}M parameters | {len(train_data) / 1e6:.1f}M train tokens (corpus "
@@ -370,11 +339,8 @@ def main(preset="tiny", attn="nosa", out=None, data=None, data_dir=None, steps=1
             with torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"):
                 logits = model(x)
             loss = lm_loss(logits, y, w)
-            if ranking:
-                rank_loss = sum(ranking) / len(ranking)
-                ranking.clear()
             opt.zero_grad(set_to_none=True)
-            (loss + evict_rank * rank_loss if ranking is not None else loss).backward()
+            loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
             opt.step()
             step += 1
@@ -383,8 +349,7 @@ def main(preset="tiny", attn="nosa", out=None, data=None, data_dir=None, steps=1
                 t_last = time.time()
                 tps = log_every * batch_size * world * seq_len / dt
                 left = (time.time() - t0) / (step - start) * (steps - step)
-                ranked = f" | ranking loss {rank_loss.item():.3f}" if ranking is not None else ""
-                print(f"step {step}/{steps} | loss {loss.item():.3f}{ranked} | lr {lr_at(step, steps, lr, warmup):.2e} | "
+                print(f"step {step}/{steps} | loss {loss.item():.3f} | lr {lr_at(step, steps, lr, warmup):.2e} | "
                       f"{tps:.0f} tokens/s | {left / 60:.1f} min left", flush=True)
             if master and (step % eval_every == 0 or step == stop_at):
                 val_loss = evaluate(raw, val_data, batch_size, seq_len, device)
@@ -459,9 +424,6 @@ def cli(argv=None):
                    help="replace this fraction of the training windows by long-range recall tasks (tasks.py)")
     p.add_argument("--answer-weight", type=float, default=1.0, metavar="W",
                    help="weight of the tasks' answer tokens in the loss, against 1 for every other token")
-    p.add_argument("--evict-rank", type=float, default=0.0, metavar="WEIGHT",
-                   help="add the eviction heads' ranking loss at this weight (eviction.ranking_loss; not in the "
-                        "paper): W_δ learns to order blocks as the later queries' scores do")
     p.add_argument("--corpus", metavar="ID", help="train on the token streams prepared for this corpus id in "
                                                   f"--data-dir (e.g. {STDLIB_CORPUS}, CPython 3.11.7's library, on "
                                                   "a machine with another Python)")
@@ -472,7 +434,7 @@ def cli(argv=None):
         a.preset, a.attn, a.out, a.data, a.data_dir, a.steps, a.batch_size, a.seq_len, a.lr, a.warmup,
         eval_every=a.eval_every, seed=a.seed, device=a.device, resume=a.resume, force=a.force, stop_at=a.stop_at,
         save_bf16=a.save_bf16, evict_lr_mult=a.evict_lr_mult, init_from=a.init_from, tasks=a.tasks, corpus=a.corpus,
-        answer_weight=a.answer_weight, evict_rank=a.evict_rank, **parse_overrides(a.set)))
+        answer_weight=a.answer_weight, **parse_overrides(a.set)))
 
 
 if __name__ == "__main__":
