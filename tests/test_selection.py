@@ -355,8 +355,7 @@ def test_selection_from_block_lists_equals_the_definition(cfg, data, attn):
 def test_block_lists_before_the_first_whole_subblock():
     """Queries before the first whole sub-block (l_c > B here): no block has an E yet, and the lists
     give the definition's blocks (a case hypothesis found: E of a block over no sub-blocks)."""
-    from dataclasses import replace
-    cfg = replace(Config.from_preset("tiny"), B=2, l_c=4, s_c=2, n_sink=0, n_win=1, k=2, k_q=1)
+    cfg = Config.from_preset("tiny", B=2, l_c=4, s_c=2, n_sink=0, n_win=1, k=2, k_q=1)
     c_sub = torch.zeros(2, 2, 0, dtype=torch.float64)
     assert torch.equal(eviction.block_score(c_sub, torch.zeros(2, 2, dtype=torch.long), cfg),
                        torch.full((2, 2), float("-inf"), dtype=torch.float64))
