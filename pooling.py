@@ -124,21 +124,14 @@ def _qscore_kernel(Q, KD, QPOS, OUT, scale, T, M, NB, Q_B,
     p_first = tl.min(tl.where(row_ok, pos, 2**30), 0) + 1  # and its first: all rows see the sub-blocks before M_ALL
     M_ALL = tl.minimum(tl.where(p_first >= L_C, (p_first - L_C) // S_C + 1, 0), M)
     m_full = tl.where((G == GP) & (tile * BT + BT <= T), M_ALL // BM * BM, 0)  # tiles no mask needs to touch
-    # pass 1: softmax statistics over the sub-blocks each query sees (m_i, l_i in base 2). The max is taken
-    # of the raw products, so that scaling and subtracting it are one multiply-add.
-    m_i = tl.full([ROWS], float("-inf"), tl.float32)
-    l_i = tl.zeros([ROWS], tl.float32)
-    for m0 in range(0, M_VIS, BM):
-        offs_m = m0 + tl.arange(0, BM)
-        s = tl.dot(q, tl.trans(KD.load([b, h, m0, 0]).reshape(BM, D)))  # (ROWS, BM); zeros past M
-        if m0 >= m_full:
-            vis = (offs_m[None, :] < M) & (offs_m[None, :] * S_C + L_C - 1 <= pos[:, None])
-            s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1) * scale2)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s * scale2 - m_safe[:, None]), 1)
-        m_i = m_new
-    lse = tl.where(m_i == float("-inf"), 0.0, m_i) + tl.log2(tl.where(l_i > 0, l_i, 1.0))
+    # pass 1: each row's log-sum-exp over the sub-blocks it sees, in base 2. The exponentials are taken
+    # against one reference per row, the largest of its products in the first tile, so the loop keeps
+    # no running maximum; only where a later product exceeds that reference by about 2^7 (a sum of
+    # exp2 overflows) does the tile take the statistics of the online softmax instead.
+    m_i, l_i = _stats_first_ref(q, KD, b, h, pos, M, M_VIS, m_full, scale2, BM, D, S_C, L_C)
+    if tl.max((l_i == float("inf")).to(tl.int32), 0) > 0:
+        m_i, l_i = _stats_online(q, KD, b, h, pos, M, M_VIS, m_full, scale2, BM, D, S_C, L_C)
+    lse = m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0))  # rows that see nothing: lse = 0 (P = 0 in pass 2)
     # pass 2: P = exp2(s - lse) summed over the heads of the group, max-pooled to blocks (_pool_store);
     # up to M_VIS from the products, then P = 0 (sub-blocks no query of the tile sees: no products).
     # The products are taken transposed, K̃ q^T: a thread of the tensor cores' tile then holds a quarter
@@ -158,6 +151,50 @@ def _qscore_kernel(Q, KD, QPOS, OUT, scale, T, M, NB, Q_B,
     for m0 in range(tl.cdiv(M_VIS, BM) * BM, NB * R_SUB, BM):
         carry = _pool_store(tl.zeros([BT, BM], tl.float32), m0, carry, OUT, bh, t_tok, T, M, NB, BT, NBT, R_SUB,
                             P_OVER)
+
+
+@triton.jit
+def _masked_products(q, KD, b, h, pos, M, m0, m_full, BM: tl.constexpr, D: tl.constexpr, S_C: tl.constexpr,
+                     L_C: tl.constexpr):
+    """q K̃^T of the sub-blocks m0 .. m0 + BM - 1 (ROWS, BM); -inf where a row's query does not see them
+    (from m_full on: the tiles before it every row sees)."""
+    s = tl.dot(q, tl.trans(KD.load([b, h, m0, 0]).reshape(BM, D)))  # zeros past M
+    if m0 >= m_full:
+        offs_m = m0 + tl.arange(0, BM)
+        vis = (offs_m[None, :] < M) & (offs_m[None, :] * S_C + L_C - 1 <= pos[:, None])
+        s = tl.where(vis, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _stats_first_ref(q, KD, b, h, pos, M, M_VIS, m_full, scale2, BM: tl.constexpr, D: tl.constexpr,
+                     S_C: tl.constexpr, L_C: tl.constexpr):
+    """(m, l) of each row with m its largest scaled product in the first tile (0 if it sees none there,
+    and then none at all), l = sum of exp2(s scale2 - m) over every sub-block it sees. The max is taken
+    of the raw products, so that scaling and subtracting it are one multiply-add."""
+    s = _masked_products(q, KD, b, h, pos, M, 0, m_full, BM, D, S_C, L_C)
+    m = tl.max(s, 1) * scale2
+    m = tl.where(m == float("-inf"), 0.0, m)
+    l = tl.sum(tl.exp2(s * scale2 - m[:, None]), 1)
+    for m0 in range(BM, M_VIS, BM):
+        s = _masked_products(q, KD, b, h, pos, M, m0, m_full, BM, D, S_C, L_C)
+        l += tl.sum(tl.exp2(s * scale2 - m[:, None]), 1)
+    return m, l
+
+
+@triton.jit
+def _stats_online(q, KD, b, h, pos, M, M_VIS, m_full, scale2, BM: tl.constexpr, D: tl.constexpr, S_C: tl.constexpr,
+                  L_C: tl.constexpr):
+    """_stats_first_ref's (m, l) with m each row's running maximum (online softmax): no sum overflows."""
+    m = tl.full([q.shape[0]], float("-inf"), tl.float32)
+    l = tl.zeros([q.shape[0]], tl.float32)
+    for m0 in range(0, M_VIS, BM):
+        s = _masked_products(q, KD, b, h, pos, M, m0, m_full, BM, D, S_C, L_C)
+        m_new = tl.maximum(m, tl.max(s, 1) * scale2)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l = l * tl.exp2(m - m_safe) + tl.sum(tl.exp2(s * scale2 - m_safe[:, None]), 1)
+        m = m_new
+    return tl.where(m == float("-inf"), 0.0, m), l
 
 
 @triton.jit

@@ -182,6 +182,28 @@ def test_query_aware_score_kernel_matches_twin(G, d, T, start, preset, over):
     assert rel_err(got[finite], want[finite]) < FP32_TOL
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered")  # the interpreter's exp2, as intended
+def test_query_aware_score_kernel_far_above_the_first_tile():
+    """The scoring kernel's first pass takes each row's exponentials against its largest product in
+    the first tile: a later compressed key aligned with some queries, whose products exceed that by
+    far more than a float's range (2^128 in base 2), makes their sums overflow, and the tile must
+    take the online softmax's statistics instead. Against the twin, which never overflows."""
+    import pooling
+    from config import Config
+    cfg = Config.from_preset("tiny")
+    Bz, H_kv, G, d, T = 1, 2, 4, 32, 1500
+    q = torch.randn(Bz, H_kv * G, 64, d, device=DEV)
+    K_sub = pooling.compress_keys(torch.randn(Bz, H_kv, T, d, device=DEV), cfg)  # 92 sub-blocks: two tiles
+    K_sub[:, :, 80] = q[:, :G, 0].mean(1)[:, None] * 80  # the first query's heads: products of several hundred
+    q_pos = torch.arange(T - 64, T, device=DEV).expand(Bz, 64)
+    nb = pooling.n_blocks(T, cfg)
+    want = pooling.query_aware_scores_torch(q.double(), K_sub.double(), q_pos, nb, cfg)
+    got = pooling.query_aware_scores_triton(q, K_sub, q_pos, nb, cfg)
+    finite = torch.isfinite(want)
+    assert torch.equal(finite, torch.isfinite(got))
+    assert rel_err(got[finite], want[finite]) < FP32_TOL
+
+
 @pytest.mark.parametrize("G, d, preset, M_len, over", [(1, 64, "tiny", 700, {}), (16, 32, "tiny", 333, {}),
                                                       (4, 64, "paper", 3000, {}), (2, 32, "tiny", 500, dict(l_c=12)),
                                                       (2, 32, "tiny", 500, dict(l_c=4))])
