@@ -208,7 +208,10 @@ def _pool_store(P, m0, carry, OUT, bh, t_tok, T, M, NB, BT: tl.constexpr, NBT: t
     P = tl.where((m0 + tl.arange(0, NBT * R_SUB) < M)[None, :], P, float("-inf"))  # sub-blocks that do not exist yet
     P3 = tl.reshape(P, (BT, NBT, R_SUB))
     own = tl.max(P3, 2)  # (BT, NBT): max over each block's own r sub-blocks
-    last = tl.max(tl.where(tl.arange(0, R_SUB)[None, None, :] >= R_SUB - P_OVER, P3, float("-inf")), 2)
+    if P_OVER == 1:  # the defaults: the block's last sub-block itself, taken from its thread, not a max
+        last = tl.reshape(tl.gather(P3, tl.full([BT, NBT, 1], R_SUB - 1, tl.int32), axis=2), (BT, NBT))
+    else:
+        last = tl.max(tl.where(tl.arange(0, R_SUB)[None, None, :] >= R_SUB - P_OVER, P3, float("-inf")), 2)
     before = tl.gather(last, tl.maximum(i - 1, 0)[None, :] + 0 * t_tok[:, None], axis=1)  # last[:, j - 1]
     before = tl.where(i[None, :] == 0, carry[:, None], before)
     blocks = m0 // R_SUB + i
