@@ -353,7 +353,8 @@ def cli(argv=None):
     p.add_argument("--gpu-budget", type=float, metavar="GiB",
                    help="GPU memory for weights, cache and activations (default: what is free)")
     p.add_argument("--host-budget", type=float, metavar="GiB",
-                   help="host memory for the offloaded KV store (default: what the OS reports available)")
+                   help="host memory for the offloaded KV store (default: what the OS reports available, "
+                        "less a tenth for the process)")
     p.add_argument("--random", metavar="PRESET",
                    help="no checkpoint: a randomly initialised model of this preset "
                         f"({', '.join(sorted(config.PRESETS))}), to try budgets and speed")

@@ -92,7 +92,9 @@ def plan_memory(cfg, weights, Bz, prompt_len, max_len, dtype, gpu_budget=None, h
     if host_budget is not None and need_host > host_budget:
         n = max_batch(cfg, max_len, dtype, None, host_budget, offload)
         raise MemoryError(f"the host KV store needs {gib(need_host)} for batch {Bz} x {max_len} tokens, but "
-                          f"{gib(host_budget)} is available: at most {n} sequences of that length fit")
+                          f"{gib(host_budget)} is available: at most {n} sequences of that length fit (the "
+                          f"default budget leaves a tenth of the free memory to the process; a larger one may "
+                          f"hold more)")
     chunks = [chunk] if chunk else [c for c in PREFILL_CHUNKS if c < prompt_len] or [prompt_len]
     if gpu_budget is None:
         return chunks[0], False
