@@ -217,13 +217,52 @@ def test_select_tiles_kernel_equals_twin(cfg, data, attn):
         lists = nosa.block_lists(c_sub, first, nb - 1, cfg)[0]
     U = min(nb, BT * cfg.k)
     want = nosa.select_tiles_torch(Q, lists, first, q_pos, cfg, BT, U)
-    got = nosa.select_tiles_triton(Q.to(dev), None if lists is None else lists.to(dev), first, q_pos.to(dev), cfg,
-                                   BT, U)
+    groups = data.draw(st.sampled_from([1, 2, 4, 128]))  # few groups: many keys to keep, and rows with too many
+    got = tiles_with_groups(groups, data.draw(st.sampled_from([1, 4])), Q.to(dev),
+                            None if lists is None else lists.to(dev), first, q_pos.to(dev), cfg, BT, U)
     for w, x in zip(want, got):
         assert torch.equal(x.cpu(), w)
     ids = None if lists is None else nosa.query_lists(lists, q_pos, first, cfg)
     mask = nosa.select_blocks(Q, None, q_pos[:, None], cfg, ids)
     assert torch.equal(attention.Tiles(*want, BT, T).mask(nb), mask)
+
+
+def tiles_with_groups(groups, per_pick, *args):
+    """select_tiles_triton(*args) with the kernel's groups of blocks and room for keys set (nosa._kth_best)."""
+    saved = nosa.GROUPS, nosa.CAP_PER_PICK
+    nosa.GROUPS, nosa.CAP_PER_PICK = groups, per_pick
+    try:
+        return nosa.select_tiles_triton(*args)
+    finally:
+        nosa.GROUPS, nosa.CAP_PER_PICK = saved
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_select_tiles_kernel_keeps_the_best_through_its_groups(tied):
+    """The selection kernel's k_q - 1 best candidates come through a few passes (nosa._kth_best): the best
+    key of each group of blocks, the keys at or above the (k_q - 1)-th best of those, then rounds over
+    them; a row with more such keys than the kernel has room for takes rounds over every block. Rows of
+    both kinds (counted here as the kernel counts), against the torch code, at the paper's k_q, 700 blocks."""
+    cfg = Config.from_preset("paper")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(1)
+    T, nb, groups, KQ = 16, 700, 32, cfg.k_q_free
+    start = nb * cfg.B - T
+    q_pos = (start + torch.arange(T)).expand(1, T)
+    Q = torch.randint(0, 40, (T, nb), generator=g).float() if tied else torch.rand(T, nb, generator=g)
+    b = torch.arange(nb)
+    Q[::2] += 100 * (b % groups < 3)  # every other row's best all in 3 of the 32 groups: too many keys to keep
+    cand = (b >= cfg.n_sink) & (b < start // cfg.B - cfg.n_win)
+    key = torch.where(cand, Q.double() + b * 2.0**-40, float("-inf"))  # (score, block), ties to the recent one
+    L = torch.stack([key[:, b % groups == i].amax(1) for i in range(groups)], 1).topk(KQ, 1).values[:, -1:]
+    n = (key >= L).sum(1)
+    cap = 4 * (1 << (KQ - 1).bit_length())
+    assert (n[::2] > cap).all() and (n[1::2] <= cap).all(), n.tolist()
+    Q, U = Q[None, None], min(nb, T * cfg.k)
+    want = nosa.select_tiles_torch(Q, None, start // cfg.B, q_pos, cfg, T, U)
+    got = tiles_with_groups(groups, 4, Q.to(dev), None, start // cfg.B, q_pos.to(dev), cfg, T, U)
+    for w, x in zip(want, got):
+        assert torch.equal(x.cpu(), w)
 
 
 @pytest.mark.parametrize("tied, rows", [(False, None), (True, None), (False, 64)])
