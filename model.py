@@ -89,11 +89,15 @@ class Attention(nn.Module):
         """The projections q (Bz, T, H_q * d), k, v (Bz, T, H_kv * d) as heads, RoPE on q and k, and c."""
         cfg, (Bz, T, _) = self.cfg, q.shape
         q = q.view(Bz, T, cfg.H_q, cfg.head_dim).transpose(1, 2)  # (Bz, H_q, T, d)
+        return apply_rope(q, rope), *self.kv_heads(k, v, rope)
+
+    def kv_heads(self, k, v, rope):
+        """The projections k, v (Bz, T, H_kv * d) as heads, RoPE on k, and c: (k, v, c)."""
+        cfg, (Bz, T, _) = self.cfg, k.shape
         k = k.view(Bz, T, cfg.H_kv, cfg.head_dim).transpose(1, 2)  # (Bz, H_kv, T, d)
         v = v.view(Bz, T, cfg.H_kv, cfg.head_dim).transpose(1, 2)  # (Bz, H_kv, T, d)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
         c = eviction.eviction_score(v, self.A, self.delta.weight) if cfg.eviction_head else None  # (Bz, H_kv, T)
-        return q, k, v, c
+        return apply_rope(k, rope), v, c
 
     def forward(self, x, rope, prompt=None, start=0):
         """x (Bz, T, dim) at positions start .. start+T-1 -> (Bz, T, dim)."""
@@ -139,6 +143,13 @@ class Block(nn.Module):
     def forward(self, x, rope, prompt=None, start=0):
         x = x + self.self_attn(self.input_layernorm(x), rope, prompt, start)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def prefill_keys(self, x, rope, prompt, start):
+        """What a prefill's last layer computes of a chunk that does not hold the prompt's last position:
+        its keys, values and c alone, into prompt (kvcache.PromptLayer). The layer's output there would
+        feed nothing (the logits are the last position's), and it is nearly all of the layer's work."""
+        a, h = self.self_attn, self.input_layernorm(x)
+        prompt.write(start, *a.kv_heads(a.k_proj(h), a.v_proj(h), rope))
 
     def decode(self, x, layer, rope, cache):
         """forward for one new token per sequence against the cache; layer: this block's index."""
@@ -194,10 +205,11 @@ class Transformer(nn.Module):
 
         Layer by layer, `chunk` tokens at a time (default: all): each chunk's queries select and attend
         exactly as the parallel forward's would, over the keys of this and the earlier chunks; when a
-        layer has read the whole prompt, its keys, values and eviction scores go to the cache. So the
-        memory beyond the cache is the prompt's residual stream (T, dim), one layer's K, V and c, the
-        RoPE tables (T, d/2), and one chunk's activations (memory.prefill_bytes), never the logits of every
-        position.
+        layer has read the whole prompt, its keys, values and eviction scores go to the cache. The last
+        layer computes only its keys but in the chunk that holds the last position (Block.prefill_keys).
+        So the memory beyond the cache is the prompt's residual stream (T, dim), one layer's K, V and c,
+        the RoPE tables (T, d/2), and one chunk's activations (memory.prefill_bytes), never the logits of
+        every position.
         stream_on_host: keep the residual stream in pinned host memory, a chunk at a time on the GPU
         (for a budget where it does not fit beside the cache). progress(fraction) after each layer.
         block(layer, x, rope, prompt, start): a block's forward (fast.block_prefill computes the same faster)."""
@@ -209,9 +221,13 @@ class Transformer(nn.Module):
         prompt = PromptLayer(self.cfg, T, dev, dtype, self.cfg.eviction_head)  # reused by every layer
         cos, sin = self.rope(torch.arange(T, device=dev)[None], dtype)  # (1, 1, T, d/2), for every layer
         for i, layer in enumerate(self.layers):
-            for s, h in x.chunks(more=i + 1 < len(self.layers)):
+            more = i + 1 < len(self.layers)
+            for s, h in x.chunks(more):
                 rope = cos[:, :, s:s + h.shape[1]], sin[:, :, s:s + h.shape[1]]
-                x.write(s, block(layer, h, rope, prompt, s))
+                if more or s + h.shape[1] == T:
+                    x.write(s, block(layer, h, rope, prompt, s))
+                else:  # the last layer, before the last chunk: only its keys are used
+                    layer.prefill_keys(h, rope, prompt, s)
             cache.prefill(i, seq, prompt.k[0], prompt.v[0], None if prompt.c is None else prompt.c[0],
                           prompt.pooled() if self.cfg.sparse else None)
             if progress:
