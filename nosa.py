@@ -467,7 +467,7 @@ def select_tiles_triton(Q, lists, first, q_pos, cfg, BT, U):
     bits, count = torch.empty_like(idx), torch.empty(Bz, H_kv, nT, dtype=torch.int32, device=Q.device)
     KQ = max(cfg.k_q_free, 0)
     NG, CAP = min(NBP, GROUPS), triton.next_power_of_2(max(KQ, 1) * CAP_PER_PICK)
-    scratch = torch.empty(Bz * H_kv * nT, NBP, dtype=torch.int32, device=Q.device)
+    scratch = torch.empty(Bz * H_kv * nT, NBP if n and cfg.n_core else 1, dtype=torch.int32, device=Q.device)
     keys = torch.empty(Bz * H_kv * nT, BT * CAP if KQ else 1, dtype=torch.int64, device=Q.device)
     ids = lists.contiguous() if n else idx  # not read when there is no list
     _select_tiles_kernel[(nT, Bz * H_kv)](
