@@ -199,6 +199,8 @@ def main(checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, prompt=DEFAULT_PROMPT, ma
         device) if device.type == "cuda" else None)
     host = host_budget * 2**30 if host_budget else (memory.host_bytes_available() if offload else None)
     chunk, on_host = memory.plan_memory(model.cfg, weights, batch, P, max_len, dtype, gpu, host, offload, chunk)
+    if offload and (tight := memory.host_warning(memory.cache_bytes(model.cfg, batch, max_len, dtype)[1])):
+        print(tight, file=sys.stderr)
     ids = [ids[i % n_prompts] for i in range(batch)]  # prompts are cycled over the batch
     fast.prepare(model, batch * max_new_tokens, sum(map(len, ids)))  # fused weights; compiled for long runs
     if offload:

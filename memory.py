@@ -77,6 +77,10 @@ def decode_bytes(cfg, Bz, max_len, dtype):
     return 2**29 + 2 * Bz * per_seq
 
 
+def gib(n):
+    return f"{n / 2**30:.2f} GiB"
+
+
 def plan_memory(cfg, weights, Bz, prompt_len, max_len, dtype, gpu_budget=None, host_budget=None, offload=True,
                 chunk=None):
     """Check a generation against the memory budgets before anything is allocated: the weights, the
@@ -85,9 +89,6 @@ def plan_memory(cfg, weights, Bz, prompt_len, max_len, dtype, gpu_budget=None, h
     (`chunk`, or the largest of PREFILL_CHUNKS that fits) and whether the prompt's residual stream
     must wait in host memory (when it does not fit on the GPU beside the cache). A budget that does
     not fit is a MemoryError that says what does."""
-    def gib(n):
-        return f"{n / 2**30:.2f} GiB"
-
     need_gpu, need_host = cache_bytes(cfg, Bz, max_len, dtype, offload)
     if host_budget is not None and need_host > host_budget:
         n = max_batch(cfg, max_len, dtype, None, host_budget, offload)
@@ -116,12 +117,33 @@ def plan_memory(cfg, weights, Bz, prompt_len, max_len, dtype, gpu_budget=None, h
                       + (f"at most {n} sequences fit" if n else "not even one sequence fits; raise the budget"))
 
 
+def mem_available():
+    """The host memory the OS reports available, in bytes (None where it does not say)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return int(next(l for l in f if l.startswith("MemAvailable")).split()[1]) * 1024
+    except (OSError, StopIteration):
+        return None
+
+
 def host_bytes_available():
     """What the host store may take by default: the memory the OS reports available, less a margin
     for the process itself (a tenth of it, at least 4 GiB, at most half)."""
-    try:
-        with open("/proc/meminfo") as f:
-            avail = int(next(l for l in f if l.startswith("MemAvailable")).split()[1]) * 1024
-    except (OSError, StopIteration):
+    avail = mem_available()
+    return None if avail is None else avail - min(max(avail // 10, 4 * 2**30), avail // 2)
+
+
+HOST_LEFT = 6 * 2**30  # host memory a run should leave the process and the OS beside the pinned store
+
+
+def host_warning(need_host):
+    """A one-line warning where a host store of need_host bytes leaves the process and the OS less than
+    HOST_LEFT of the memory available (the store is pinned: nothing else can be paged out to make room),
+    else None. Measured on a 128 GiB machine: 6.4 GiB left, no slowdown; about 5 GiB, a 128K prefill 1.7x
+    slower (BENCHMARKS.md)."""
+    avail = mem_available()
+    if avail is None or avail - need_host >= HOST_LEFT:
         return None
-    return avail - min(max(avail // 10, 4 * 2**30), avail // 2)
+    return (f"warning: the host KV store takes {gib(need_host)} of the {gib(avail)} available, which leaves "
+            f"{gib(avail - need_host)} to this process and the OS; below {gib(HOST_LEFT)} runs slow down: a "
+            f"smaller --host-budget or batch avoids it")

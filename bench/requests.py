@@ -69,6 +69,8 @@ def bench_requests(shape="8b", prompt_len=131072, new_tokens=(1024, 8192), reque
         Bz, (chunk, on_host) = largest_plan(cfg, weights, requests, prompt_len, max_len, dtype, budget, host,
                                             use_offload)
         row = dict(system=label, shape=shape, prompt_len=prompt_len, batch=Bz, chunk=chunk, stream_on_host=on_host)
+        if use_offload and Bz and (tight := memory.host_warning(memory.cache_bytes(cfg, Bz, max_len, dtype)[1])):
+            print(tight, flush=True)
         rows.append(row)
         if Bz == 0:
             print(row, flush=True)

@@ -131,6 +131,23 @@ def test_memory_plan_picks_the_chunk_and_says_what_fits():
     assert small < memory.prefill_bytes(cfg, P, 4096, torch.bfloat16)  # smaller chunks, less memory
 
 
+def test_a_host_store_that_leaves_too_little_is_one_line_of_warning(monkeypatch, capsys):
+    """A host KV store that leaves the process and the OS less than memory.HOST_LEFT of what the OS reports
+    available (the pinned store cannot be paged out) is one line of warning with the numbers, before the
+    run; a store that leaves more, or a machine that does not say, none."""
+    import memory
+    monkeypatch.setattr(memory, "mem_available", lambda: 124 * 2**30)
+    w = memory.host_warning(119 * 2**30)
+    assert "leaves 5.00 GiB" in w and "\n" not in w
+    assert memory.host_warning(100 * 2**30) is None
+    monkeypatch.setattr(memory, "mem_available", lambda: 2**30)  # a machine with 1 GiB available
+    generate.main(random="tiny", max_new_tokens=3, batch=2, offload=True, device="cpu", quiet=True)
+    err = capsys.readouterr().err
+    assert err.count("warning: the host KV store takes") == 1 and "smaller --host-budget" in err, err
+    monkeypatch.setattr(memory, "mem_available", lambda: None)
+    assert memory.host_warning(119 * 2**30) is None
+
+
 def test_a_gpu_budget_too_small_is_one_line(capsys):
     with pytest.raises(SystemExit):
         generate.cli(["--device", "cpu", "--random", "tiny", "--offload", "--gpu-budget", "0.001", "--quiet"])
