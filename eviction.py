@@ -18,11 +18,13 @@ and candidates only join, so the core changes only at a block boundary, by letti
 compete with the members: the weakest is *evicted* for good. `core_blocks` is the core from scratch
 (the definition); `core_list` the short list of the best candidates from scratch; `join_core_list`
 the policy on that list, as decoding runs it a step at a time and the parallel forward a query block
-at a time (nosa.block_lists). The tests check that they agree and that an evicted block never comes
+at a time (block_lists). The tests check that they agree and that an evicted block never comes
 back.
 """
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 import pooling
 from common import fp32
@@ -134,6 +136,33 @@ def join_core_list(ids, E_ids, b_new, E_new):
     return ids, torch.where(join, torch.where(here, E_new, E_ids.gather(-1, src)), E_ids)
 
 
+def block_lists(c_sub, first, last, cfg, carry=None):
+    """The list of the best n = n_core + k_q - 1 candidates by E, best first (core_list), of each
+    query block first .. last, kept by the eviction policy as decoding keeps it: the candidates of query
+    block b are those of b - 1 and the block that has just left the window, b - 1 - n_win, which joins
+    the list (join_core_list) with its E from c̃ (block_score). nosa.select_blocks with these lists
+    selects what it selects from E itself. c_sub (Bz, H_kv, M): the sub-block means of c.
+    carry: (ids, E, b), the list of query block b <= first that a call for the blocks before left (a
+    prefill's earlier chunks); None: from the empty list of block 0.
+    Returns the lists (Bz, H_kv, last - first + 1, n) and the carry of block `last`.
+    One Triton kernel on a GPU (block_lists_triton), the loop below elsewhere."""
+    n = cfg.n_core + cfg.k_q_free
+    if carry is None:
+        carry = (torch.full((*c_sub.shape[:2], n), -1, dtype=torch.long, device=c_sub.device),
+                 torch.full((*c_sub.shape[:2], n), float("-inf"), dtype=c_sub.dtype, device=c_sub.device), 0)
+    if c_sub.is_cuda and c_sub.dtype == torch.float32:
+        return block_lists_triton(c_sub, first, last, cfg, carry)
+    ids, E, b0 = carry
+    lists = [ids] if b0 == first else []
+    for b in range(b0 + 1, last + 1):
+        if b - 1 - cfg.n_win >= cfg.n_sink:  # a candidate leaves the window
+            b_new = torch.full(ids.shape[:-1], b - 1 - cfg.n_win, device=ids.device)
+            ids, E = join_core_list(ids, E, b_new, block_score(c_sub, b_new, cfg))
+        if b >= first:
+            lists.append(ids)
+    return torch.stack(lists, 2), (ids, E, last)
+
+
 def core_picks(ids, taken, n_core, nb):
     """The E-picks of a step: the first n_core members of the list (best first) that Q has not taken.
     ids (..., n) the list, taken (..., n) bool -> a mask over the nb blocks (..., nb)."""
@@ -141,3 +170,53 @@ def core_picks(ids, taken, n_core, nb):
     pick &= pick.cumsum(-1) <= n_core
     mask = torch.zeros(*ids.shape[:-1], nb + 1, dtype=torch.bool, device=ids.device)  # column nb: a spare
     return mask.scatter_(-1, torch.where(pick, ids, nb), True)[..., :nb]
+
+
+# -----------------------------------------------------------------------------
+# Triton kernel
+
+
+@triton.jit
+def _block_lists_kernel(CS, IDS, ES, LISTS, IDS_OUT, ES_OUT, M, b0, first, last, N_SINK: tl.constexpr,
+                        N_WIN: tl.constexpr, R_SUB: tl.constexpr, P_OVER: tl.constexpr, RPP: tl.constexpr,
+                        N: tl.constexpr, NP: tl.constexpr, NJ: tl.constexpr):
+    """One program (one warp) per row (sequence, KV head): from the carried list of query block b0, each
+    query block's list in turn, the block leaving the window joining at its rank (join_core_list,
+    as kvcache._append_kernel runs it for a decode step), stored from block `first` on. The E of NJ
+    joining blocks are loaded at a time, ahead of the loop that inserts them one by one."""
+    r = tl.program_id(0)
+    e, i, jj = tl.arange(0, NP), tl.arange(0, RPP), tl.arange(0, NJ)
+    on = e < N
+    ids = tl.load(IDS + r * N + e, mask=on, other=-1)
+    E = tl.load(ES + r * N + e, mask=on, other=float("-inf"))
+    tl.store(LISTS + (r * (last - first + 1)) * N + e, ids, mask=on & (e * 0 + b0 == first))
+    for b1 in range(b0 + 1, last + 1, NJ):
+        m = (b1 + jj - 1 - N_WIN)[:, None] * R_SUB - P_OVER + i[None, :]  # the sub-blocks of each (block_score)
+        ok = (i < R_SUB + P_OVER)[None, :] & (m >= 0) & (m < M)
+        E_join = tl.max(tl.load(CS + r * M + m, mask=ok, other=float("-inf")), 1)  # (NJ,)
+        for j in range(0, tl.minimum(NJ, last + 1 - b1)):
+            b = b1 + j
+            b_new = b - 1 - N_WIN
+            E_new = tl.max(tl.where(jj == j, E_join, float("-inf")), 0)
+            rank = tl.sum(((ids >= 0) & (E > E_new)).to(tl.int32), 0)  # it wins ties: the most recent
+            up = tl.maximum(e - 1, 0)
+            join = on & ((e * 0 + b_new) >= N_SINK)  # the padding past N stays empty; a vector for the interpreter
+            ids = tl.where(join, tl.where(e == rank, b_new, tl.where(e > rank, tl.gather(ids, up, 0), ids)), ids)
+            E = tl.where(join, tl.where(e == rank, E_new, tl.where(e > rank, tl.gather(E, up, 0), E)), E)
+            tl.store(LISTS + (r * (last - first + 1) + b - first) * N + e, ids, mask=on & (e * 0 + b >= first))
+    tl.store(IDS_OUT + r * N + e, ids, mask=on)
+    tl.store(ES_OUT + r * N + e, E, mask=on)
+
+
+def block_lists_triton(c_sub, first, last, cfg, carry):
+    """The kernel; same arguments and result as block_lists."""
+    ids, E, b0 = carry
+    Bz, H_kv, n = ids.shape
+    r, p = pooling.overlap(cfg)
+    lists = torch.empty(Bz, H_kv, last - first + 1, n, dtype=ids.dtype, device=ids.device)
+    out = torch.empty_like(ids), torch.empty_like(E)
+    _block_lists_kernel[(Bz * H_kv,)](c_sub.contiguous(), ids.contiguous(), E.contiguous(), lists, *out,
+                                      c_sub.shape[-1], b0, first, last, N_SINK=cfg.n_sink, N_WIN=cfg.n_win,
+                                      R_SUB=r, P_OVER=p, RPP=triton.next_power_of_2(r + p), N=n,
+                                      NP=triton.next_power_of_2(n), NJ=32, num_warps=1)
+    return lists, (*out, last)

@@ -24,7 +24,6 @@ from torch.profiler import record_function
 import decode
 import eviction
 import fast
-import nosa
 import pooling
 
 
@@ -71,7 +70,7 @@ class PromptLayer:
     """One layer's keys, values and eviction scores of one prompt as a chunked prefill writes them
     (model.Transformer.prefill), with what selection reads of the keys so far, kept up to date a chunk
     at a time: the compressed keys K̃, the sub-block means c̃, and each query block's list of its best
-    candidates by E, carried from chunk to chunk by the eviction policy (nosa.block_lists). Once the
+    candidates by E, carried from chunk to chunk by the eviction policy (eviction.block_lists). Once the
     layer has read the whole prompt the cache takes them (prefill)."""
 
     def __init__(self, cfg, T, device, dtype, with_c):
@@ -83,7 +82,7 @@ class PromptLayer:
         self.c = torch.empty(1, H, T, device=device, dtype=cdt) if with_c else None
         self.K_sub = torch.empty(1, H, M, d, device=device, dtype=dtype) if cfg.sparse else None
         self.c_sub = torch.empty(1, H, M, device=device, dtype=cdt) if cfg.sparse and with_c else None
-        self.carry = None  # the list of the last query block so far (nosa.block_lists)
+        self.carry = None  # the list of the last query block so far (eviction.block_lists)
 
     def write(self, start, k, v, c):
         """A chunk's k, v (1, H_kv, C, d) and c (1, H_kv, C) or None at positions start .. e-1 ->
@@ -105,8 +104,8 @@ class PromptLayer:
         if c is not None and cfg.n_core > 0:
             if start == 0:  # a new layer
                 self.carry = None
-            lists, self.carry = nosa.block_lists(self.c_sub[:, :, :m1], start // cfg.B, (e - 1) // cfg.B, cfg,
-                                                 self.carry)
+            lists, self.carry = eviction.block_lists(self.c_sub[:, :, :m1], start // cfg.B, (e - 1) // cfg.B,
+                                                     cfg, self.carry)
         return self.k[:, :, :e], self.v[:, :, :e], None if c is None else self.c[:, :, :e], (self.K_sub[:, :, :m1],
                                                                                               lists)
 

@@ -27,11 +27,11 @@ Locality: γ(t) = |Γ(t) ∩ Γ(t-1)| / |Γ(t)| >= k_e / k at every step, so at 
 The definition (select_blocks from E) ranks all candidates by E at every position; both paths
 select from a short list of the best candidates by E instead, kept by the eviction policy
 (eviction.join_core_list): the parallel forward one list per query block, block after block
-(block_lists, carried from chunk to chunk through a prefill), decoding one per row, step after step;
-the tests check that both select what the definition selects. The
-parallel forward writes its selection as tiles of neighbouring queries (select_tiles, read by the
-attention kernels: attention.Tiles), a decode step as a block mask (select); the same rules (_keys,
-_q_picks, _e_picks) make every row of both in the kernels.
+(eviction.block_lists, carried from chunk to chunk through a prefill), decoding one per row, step
+after step; the tests check that both select what the definition selects. The parallel forward
+writes its selection as tiles of neighbouring queries (select_tiles, read by the attention kernels:
+attention.Tiles), a decode step as a block mask (select); the same rules (_keys, _q_picks, _e_picks)
+make every row of both in the kernels.
 
 Attention modes (docs/METHOD.md §7), all from the same code:
   full      all causal tokens, no bias
@@ -103,33 +103,6 @@ def select(q, K_sub, core_ids, q_pos, nb, cfg):
     return select_blocks(Q, None, q_pos[:, None], cfg, core_ids)
 
 
-def block_lists(c_sub, first, last, cfg, carry=None):
-    """The list of the best n = n_core + k_q - 1 candidates by E, best first (eviction.core_list), of each
-    query block first .. last, kept by the eviction policy as decoding keeps it: the candidates of query
-    block b are those of b - 1 and the block that has just left the window, b - 1 - n_win, which joins
-    the list (eviction.join_core_list) with its E from c̃ (eviction.block_score). select_blocks with these
-    lists selects what it selects from E itself. c_sub (Bz, H_kv, M): the sub-block means of c.
-    carry: (ids, E, b), the list of query block b <= first that a call for the blocks before left (a
-    prefill's earlier chunks); None: from the empty list of block 0.
-    Returns the lists (Bz, H_kv, last - first + 1, n) and the carry of block `last`.
-    One Triton kernel on a GPU (block_lists_triton), the loop below elsewhere."""
-    n = cfg.n_core + cfg.k_q_free
-    if carry is None:
-        carry = (torch.full((*c_sub.shape[:2], n), -1, dtype=torch.long, device=c_sub.device),
-                 torch.full((*c_sub.shape[:2], n), float("-inf"), dtype=c_sub.dtype, device=c_sub.device), 0)
-    if c_sub.is_cuda and c_sub.dtype == torch.float32:
-        return block_lists_triton(c_sub, first, last, cfg, carry)
-    ids, E, b0 = carry
-    lists = [ids] if b0 == first else []
-    for b in range(b0 + 1, last + 1):
-        if b - 1 - cfg.n_win >= cfg.n_sink:  # a candidate leaves the window
-            b_new = torch.full(ids.shape[:-1], b - 1 - cfg.n_win, device=ids.device)
-            ids, E = eviction.join_core_list(ids, E, b_new, eviction.block_score(c_sub, b_new, cfg))
-        if b >= first:
-            lists.append(ids)
-    return torch.stack(lists, 2), (ids, E, last)
-
-
 def query_lists(lists, q_pos, first, cfg):
     """Each query's list from its block's: lists (Bz, H_kv, n_qb, n) of blocks first.., q_pos (Bz, T)
     -> (Bz, H_kv, T, n)."""
@@ -142,7 +115,7 @@ def core_lists(c_sub, q_pos, cfg):
     -> (Bz, H_kv, T, n)."""
     q_blk = q_pos // cfg.B
     first = int(q_blk.min())
-    return query_lists(block_lists(c_sub, first, int(q_blk.max()), cfg)[0], q_pos, first, cfg)
+    return query_lists(eviction.block_lists(c_sub, first, int(q_blk.max()), cfg)[0], q_pos, first, cfg)
 
 
 def select_step(Q, core_ids, q_pos, cfg):
@@ -163,7 +136,7 @@ def select_tiles(q, K_sub, lists, q_pos, nb, cfg, first):
     """Γ(t) of the parallel forward's queries (training, a prefill's chunk), scored and selected
     SELECT_ROWS queries at a time, in the form the training kernels read (attention.Tiles: for each
     tile of BT queries the union of the blocks they selected and which of them selected each), so no
-    (T, nb) tensor is ever whole. lists: block_lists of the query blocks from `first` on, or None.
+    (T, nb) tensor is ever whole. lists: eviction.block_lists of the query blocks from `first` on, or None.
     One Triton kernel on a GPU (select_tiles_triton), its twin select_tiles_torch elsewhere."""
     T = q.shape[2]
     BT = attention.tile_size(cfg.G, cfg.B)
@@ -204,7 +177,7 @@ def nosa_attention(q, k, v, c, cfg, start=0, pooled=None):
         if pooled is None:  # K̃, and each query block's list of the best candidates by E where the mode has E-picks
             lists = None
             if c is not None and cfg.n_core > 0:
-                lists = block_lists(pooling.pool_mean(c, cfg), first, (S - 1) // cfg.B, cfg)[0]
+                lists = eviction.block_lists(pooling.pool_mean(c, cfg), first, (S - 1) // cfg.B, cfg)[0]
             pooled = pooling.compress_keys(k, cfg), lists
         K_sub, lists = pooled
         sel = select_tiles(q, K_sub, lists, q_pos, pooling.n_blocks(S, cfg), cfg, first)
@@ -397,52 +370,6 @@ def _select_tiles_kernel(QS, IDS, POS, SCRATCH, SCR_K, T_IDX, T_BITS, T_N, T, nb
     pad = tl.arange(0, UP)  # the rest of the list: -1, no bits
     tl.store(T_IDX + prog * U + pad, tl.full([UP], -1, tl.int32), mask=(pad >= n) & (pad < U))
     tl.store(T_BITS + prog * U + pad, tl.zeros([UP], tl.int32), mask=(pad >= n) & (pad < U))
-
-
-@triton.jit
-def _block_lists_kernel(CS, IDS, ES, LISTS, IDS_OUT, ES_OUT, M, b0, first, last, N_SINK: tl.constexpr,
-                        N_WIN: tl.constexpr, R_SUB: tl.constexpr, P_OVER: tl.constexpr, RPP: tl.constexpr,
-                        N: tl.constexpr, NP: tl.constexpr, NJ: tl.constexpr):
-    """One program (one warp) per row (sequence, KV head): from the carried list of query block b0, each
-    query block's list in turn, the block leaving the window joining at its rank (eviction.join_core_list,
-    as kvcache._append_kernel runs it for a decode step), stored from block `first` on. The E of NJ
-    joining blocks are loaded at a time, ahead of the loop that inserts them one by one."""
-    r = tl.program_id(0)
-    e, i, jj = tl.arange(0, NP), tl.arange(0, RPP), tl.arange(0, NJ)
-    on = e < N
-    ids = tl.load(IDS + r * N + e, mask=on, other=-1)
-    E = tl.load(ES + r * N + e, mask=on, other=float("-inf"))
-    tl.store(LISTS + (r * (last - first + 1)) * N + e, ids, mask=on & (e * 0 + b0 == first))
-    for b1 in range(b0 + 1, last + 1, NJ):
-        m = (b1 + jj - 1 - N_WIN)[:, None] * R_SUB - P_OVER + i[None, :]  # the sub-blocks of each (block_score)
-        ok = (i < R_SUB + P_OVER)[None, :] & (m >= 0) & (m < M)
-        E_join = tl.max(tl.load(CS + r * M + m, mask=ok, other=float("-inf")), 1)  # (NJ,)
-        for j in range(0, tl.minimum(NJ, last + 1 - b1)):
-            b = b1 + j
-            b_new = b - 1 - N_WIN
-            E_new = tl.max(tl.where(jj == j, E_join, float("-inf")), 0)
-            rank = tl.sum(((ids >= 0) & (E > E_new)).to(tl.int32), 0)  # it wins ties: the most recent
-            up = tl.maximum(e - 1, 0)
-            join = on & ((e * 0 + b_new) >= N_SINK)  # the padding past N stays empty; a vector for the interpreter
-            ids = tl.where(join, tl.where(e == rank, b_new, tl.where(e > rank, tl.gather(ids, up, 0), ids)), ids)
-            E = tl.where(join, tl.where(e == rank, E_new, tl.where(e > rank, tl.gather(E, up, 0), E)), E)
-            tl.store(LISTS + (r * (last - first + 1) + b - first) * N + e, ids, mask=on & (e * 0 + b >= first))
-    tl.store(IDS_OUT + r * N + e, ids, mask=on)
-    tl.store(ES_OUT + r * N + e, E, mask=on)
-
-
-def block_lists_triton(c_sub, first, last, cfg, carry):
-    """The kernel; same arguments and result as block_lists."""
-    ids, E, b0 = carry
-    Bz, H_kv, n = ids.shape
-    r, p = pooling.overlap(cfg)
-    lists = torch.empty(Bz, H_kv, last - first + 1, n, dtype=ids.dtype, device=ids.device)
-    out = torch.empty_like(ids), torch.empty_like(E)
-    _block_lists_kernel[(Bz * H_kv,)](c_sub.contiguous(), ids.contiguous(), E.contiguous(), lists, *out,
-                                      c_sub.shape[-1], b0, first, last, N_SINK=cfg.n_sink, N_WIN=cfg.n_win,
-                                      R_SUB=r, P_OVER=p, RPP=triton.next_power_of_2(r + p), N=n,
-                                      NP=triton.next_power_of_2(n), NJ=32, num_warps=1)
-    return lists, (*out, last)
 
 
 def select_step_triton(Q, core_ids, q_pos, cfg):

@@ -6,6 +6,7 @@ from triton.testing import do_bench
 
 import attention
 import decode
+import eviction
 import nosa
 import pooling
 from bench import graph_time, hbm_bandwidth
@@ -48,7 +49,7 @@ def bench_prefill(H_q=32, H_kv=2, d=128, lengths=(16384, 32768, 65536, 131072), 
                 def sel():  # nosa_attention's selection
                     lists = None
                     if c is not None:
-                        lists = nosa.block_lists(pooling.pool_mean(c, cfg), 0, nb - 1, cfg)[0]
+                        lists = eviction.block_lists(pooling.pool_mean(c, cfg), 0, nb - 1, cfg)[0]
                     return nosa.select_tiles(q, K_sub, lists, pos, nb, cfg, 0)
 
                 t_select = ms(sel)  # scoring included

@@ -214,7 +214,7 @@ def test_select_tiles_kernel_equals_twin(cfg, data, attn):
     lists = None
     if cfg.eviction_head and cfg.n_core > 0:  # E from sub-block means of c of a few values: ties
         c_sub = torch.randint(0, 3, (Bz, H, pooling.n_subblocks(start + T, cfg)), generator=g).float()
-        lists = nosa.block_lists(c_sub, first, nb - 1, cfg)[0]
+        lists = eviction.block_lists(c_sub, first, nb - 1, cfg)[0]
     U = min(nb, BT * cfg.k)
     want = nosa.select_tiles_torch(Q, lists, first, q_pos, cfg, BT, U)
     groups = data.draw(st.sampled_from([1, 2, 4, 128]))  # few groups: many keys to keep, and rows with too many
@@ -341,7 +341,7 @@ def test_core_list_kept_by_the_policy_equals_the_list_from_scratch():
 @given(cfg=configs(), data=st.data(), attn=st.sampled_from(["nosa", "dma"]))
 def test_block_lists_kept_chunk_by_chunk_equal_the_lists_from_scratch(cfg, data, attn):
     """Each query block's list of its best candidates by E, kept by the eviction policy as a chunked
-    prefill keeps it (nosa.block_lists, carried from chunk to chunk; its Triton kernel, interpreted on
+    prefill keeps it (eviction.block_lists, carried from chunk to chunk; its Triton kernel, interpreted on
     CPU, and its torch loop) == the list from scratch (eviction.core_list) for every query block:
     random configs and chunk boundaries (mid-block too), E with ties and -inf."""
     from dataclasses import replace
@@ -359,9 +359,9 @@ def test_block_lists_kept_chunk_by_chunk_equal_the_lists_from_scratch(cfg, data,
     start = 0
     for e in ends:
         first, last = start // cfg.B, (e - 1) // cfg.B
-        lists, carry = nosa.block_lists(c_sub, first, last, cfg, carry)
-        got, carry_gpu = nosa.block_lists_triton(c_sub.to(dev), first, last, cfg, carry_gpu or tuple(
-            x.to(dev) for x in nosa.block_lists(c_sub, 0, 0, cfg)[1][:2]) + (0,))
+        lists, carry = eviction.block_lists(c_sub, first, last, cfg, carry)
+        got, carry_gpu = eviction.block_lists_triton(c_sub.to(dev), first, last, cfg, carry_gpu or tuple(
+            x.to(dev) for x in eviction.block_lists(c_sub, 0, 0, cfg)[1][:2]) + (0,))
         assert torch.equal(got.cpu(), lists) and torch.equal(carry_gpu[0].cpu(), carry[0]) and carry_gpu[2] == last
         b = torch.arange(nb)
         for qb in range(first, last + 1):
