@@ -23,9 +23,10 @@ the tests (tests/test_kernels.py, run under TRITON_INTERPRET=1 on CPU). Kernel d
     each tile's q and dO the same way;
   - the bias is added after the 1/√d scale, the softmax is online, in fp32;
   - backward: dq per tile as in the forward; dk, dv and dc (column sums of dS) per key block, over
-    the tiles that selected it (the tiles' lists sorted by block), in chunks that add up atomically
-    in fp32, so the blocks every query selects (sink, window) do not serialise the launch; its
-    products are taken as (keys, rows), so p^T and dS^T feed dV and dK without a transpose.
+    the tiles that selected it (the tiles' lists sorted by block), a range of tiles at a time so the
+    programs running together read the same tiles' q and dO from L2, and in chunks that add up
+    atomically in fp32, so the blocks every query selects (sink, window) do not serialise the launch;
+    its products are taken as (keys, rows), so p^T and dS^T feed dV and dK without a transpose.
 """
 import math
 from typing import NamedTuple
@@ -179,14 +180,15 @@ def _sparse_bwd_dq(Q, KD, VD, C, T_IDX, T_BITS, T_N, QPOS, O, DO, LSE, DELTA, DQ
                    H_kv: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
                    BT: tl.constexpr, HAS_BIAS: tl.constexpr):
     """dq of a query tile, as the forward walks its blocks; it also writes rowsum(dO ∘ O), which the
-    dK/dV kernel reads."""
+    dK/dV kernel reads. q, dO, o and dq in the projections' layout (Bz, T, H_q, d), as in the forward."""
     tile, bh = tl.program_id(0), tl.program_id(1)
     t0, prog = tile * BT, bh * tl.num_programs(0) + tile
     b, t, row_ok, rows = _tile_rows(t0, bh, T, H_kv, G, GP, BT * GP)
+    qo_row = ((b * T + t) * (H_kv * G) + (bh % H_kv) * G + tl.arange(0, BT * GP) % GP) * D  # as in the forward
     offs_d = tl.arange(0, D)
-    q = tl.load(Q + rows[:, None] * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + rows[:, None] * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    o = tl.load(O + rows[:, None] * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    q = tl.load(Q + qo_row[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + qo_row[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    o = tl.load(O + qo_row[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
     tl.store(DELTA + rows, delta, mask=row_ok)
     lse = tl.load(LSE + rows, mask=row_ok, other=0.0)
@@ -199,18 +201,20 @@ def _sparse_bwd_dq(Q, KD, VD, C, T_IDX, T_BITS, T_N, QPOS, O, DO, LSE, DELTA, DQ
         p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
         ds = p * (tl.dot(do, tl.trans(vb)) - delta[:, None])
         dq += tl.dot(ds.to(kb.dtype), kb)
-    tl.store(DQ + rows[:, None] * D + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(DQ + qo_row[:, None] + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
 def _sparse_bwd_dkv(QD, K, V, C, REV_OFF, REV_TILE, REV_BITS, QPOS, DOD, LSE, DELTA, DK, DV, DC, scale, T, S, NB,
-                    H_kv: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
+                    NR, H_kv: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
                     BT: tl.constexpr, CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """dK, dV, dc of one key block from one chunk of the query tiles that selected it; chunks of a
-    much-selected block (the sink, the window) run in parallel and add up atomically in fp32. q and
-    dO come as TMA boxes (1, GP, BT, d) of (Bz, H_q, T, d): a tile's rows ordered (head, token)."""
-    blk, chunk, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    lo, hi = tl.load(REV_OFF + bh * NB + blk), tl.load(REV_OFF + bh * NB + blk + 1)
+    """dK, dV, dc of one key block from one chunk of the query tiles of one range (of NR) that selected
+    it; the programs of a range run side by side, so the tiles' q and dO they read stay in L2, and the
+    ranges and chunks of a block add up atomically in fp32. q and dO come as TMA boxes (1, BT, GP, d) of
+    the projections' layout (Bz, T, H_q, d): a tile's rows ordered (token, head)."""
+    seg, chunk, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # seg: (range, block)
+    blk = seg % NB
+    lo, hi = tl.load(REV_OFF + bh * NR * NB + seg), tl.load(REV_OFF + bh * NR * NB + seg + 1)
     j0 = lo + chunk * CHUNK
     if j0 < hi:
         b, h = bh // H_kv, bh % H_kv
@@ -225,14 +229,14 @@ def _sparse_bwd_dkv(QD, K, V, C, REV_OFF, REV_TILE, REV_BITS, QPOS, DOD, LSE, DE
         dv = tl.zeros([B, D], tl.float32)
         dc = tl.zeros([B], tl.float32)
         r = tl.arange(0, BT * GP)
-        g = r // BT
+        g = r % GP
         for j in range(j0, tl.minimum(j0 + CHUNK, hi)):
             t0, bits = tl.load(REV_TILE + j) * BT, tl.load(REV_BITS + j)
-            t = t0 + r % BT
+            t = t0 + r // GP
             row_ok = (t < T) & (g < G)
             rows = (b * H_kv * G + h * G + g) * T + t
-            q = QD.load([b, h * G, t0, 0]).reshape(BT * GP, D)  # zeros past T and past the heads
-            do = DOD.load([b, h * G, t0, 0]).reshape(BT * GP, D)
+            q = QD.load([b, t0, h * G, 0]).reshape(BT * GP, D)  # zeros past T and past the heads
+            do = DOD.load([b, t0, h * G, 0]).reshape(BT * GP, D)
             lse = tl.load(LSE + rows, mask=row_ok, other=0.0)
             delta = tl.load(DELTA + rows, mask=row_ok, other=0.0)
             pos = tl.load(QPOS + b * T + t, mask=row_ok, other=-1)
@@ -257,6 +261,7 @@ def _sparse_bwd_dkv(QD, K, V, C, REV_OFF, REV_TILE, REV_BITS, QPOS, DOD, LSE, DE
 LAUNCH = dict(num_warps=4, num_stages=3)  # the tiled forward: the fastest of a sweep at 128K (H200)
 LAUNCH_BWD = dict(num_warps=4, num_stages=2)  # the backward's two kernels: the fastest of a sweep at 64K
 DKV_CHUNK = 256  # query tiles per program of the dK/dV kernel: fewer atomic adds (32: 1.11x slower at 128K)
+DKV_RANGE = 1024  # query tiles per range of the dK/dV kernel's grid: its time 0.91x that of one range (32K, 128K)
 
 
 def tile_size(G, B):
@@ -267,17 +272,20 @@ def tile_size(G, B):
     return max(1, min(B, 32, 64 // triton.next_power_of_2(G)))
 
 
-def tiles_by_block(sel, nb):
-    """The reverse of the tiles' lists: for every key block, the tiles that selected it (ascending) and
-    their bits, as one list sorted by (row, block) with the offsets where each block's part starts."""
+def tiles_by_block(sel, nb, span):
+    """The reverse of the tiles' lists: for every range of `span` tiles and every key block, the tiles
+    of the range that selected it (ascending) and their bits, as one list sorted by (row, range, block,
+    tile) with the offsets where each (range, block) part starts (the unused places of the tiles' lists
+    sort last, so nothing here waits for the GPU). Returns those and the ranges' count."""
     Bz, H_kv, nT, U = sel.idx.shape
-    valid = sel.idx >= 0
+    n_r = triton.cdiv(nT, span)
+    n_seg = Bz * H_kv * n_r * nb
     row = torch.arange(Bz * H_kv, device=sel.idx.device).view(Bz, H_kv, 1, 1)
     tile = torch.arange(nT, device=sel.idx.device).view(1, 1, nT, 1)
-    key, order = (((row * nb + sel.idx) * nT + tile)[valid]).sort()
-    count = torch.bincount(key // nT, minlength=Bz * H_kv * nb)
-    off = F.pad(count.cumsum(0), (1, 0)).to(torch.int32)
-    return off, (key % nT).to(torch.int32), sel.bits[valid][order], int(count.max())
+    seg = (row * n_r + tile // span) * nb + sel.idx
+    key, order = torch.where(sel.idx >= 0, seg * nT + tile, n_seg * nT).flatten().sort()
+    off = torch.searchsorted(key, torch.arange(n_seg + 1, device=key.device) * nT).to(torch.int32)
+    return off, (key % nT).to(torch.int32), sel.bits.flatten()[order], n_r
 
 
 class SparseAttention(torch.autograd.Function):
@@ -311,24 +319,25 @@ class SparseAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, c, idx, bits, n, q_pos, o, lse = ctx.saved_tensors
-        q, k, v, c, o = q.contiguous(), k.contiguous(), v.contiguous(), c.contiguous(), o.contiguous()
+        k, v, c = k.contiguous(), v.contiguous(), c.contiguous()
+        do = do.transpose(1, 2).contiguous().transpose(1, 2)  # q's layout (Bz, T, H_q, d), as q and o are
         meta = ctx.meta
         Bz, H_q, T, D = q.shape
         H_kv, S = k.shape[1], k.shape[2]
         nT, U, nb = idx.shape[2], idx.shape[3], triton.cdiv(S, meta["B"])
-        do = do.contiguous()
         delta = torch.empty(Bz, H_q, T, device=q.device, dtype=torch.float32)  # rowsum(dO ∘ O), by the dq kernel
         scale = 1.0 / math.sqrt(D)
         dq = torch.empty_like(q)
         kd, vd = (tma_descriptor(x, (1, 1, meta["B"], D)) for x in (k, v))
         _sparse_bwd_dq[(nT, Bz * H_kv)](q, kd, vd, c, idx, bits, n, q_pos, o, do, lse, delta, dq, scale, T, S, U,
                                        **meta, **LAUNCH_BWD)
-        off, rev_tile, rev_bits, most = tiles_by_block(Tiles(idx, bits, n, ctx.BT, T), nb)
+        span = min(nT, DKV_RANGE)
+        off, rev_tile, rev_bits, n_r = tiles_by_block(Tiles(idx, bits, n, ctx.BT, T), nb, span)
         dk, dv = (torch.zeros(Bz, H_kv, S, D, device=q.device, dtype=torch.float32) for _ in range(2))
         dc = torch.zeros(Bz, H_kv, S, device=q.device, dtype=torch.float32)
-        qd, dod = (tma_descriptor(x, (1, meta["GP"], ctx.BT, D)) for x in (q, do))
-        _sparse_bwd_dkv[(nb, triton.cdiv(most, DKV_CHUNK), Bz * H_kv)](
-            qd, k, v, c, off, rev_tile, rev_bits, q_pos, dod, lse, delta, dk, dv, dc, scale, T, S, nb,
+        qd, dod = (tma_descriptor(x.transpose(1, 2), (1, ctx.BT, meta["GP"], D)) for x in (q, do))
+        _sparse_bwd_dkv[(n_r * nb, triton.cdiv(span, DKV_CHUNK), Bz * H_kv)](
+            qd, k, v, c, off, rev_tile, rev_bits, q_pos, dod, lse, delta, dk, dv, dc, scale, T, S, nb, n_r,
             CHUNK=DKV_CHUNK, **meta, **LAUNCH_BWD)
         return dq, dk.to(k.dtype), dv.to(v.dtype), (dc if meta["HAS_BIAS"] else None), None, None, None
 

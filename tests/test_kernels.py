@@ -40,6 +40,7 @@ CASES = [  # (G, d, T, B, k, BT): T not a multiple of B nor of the tile BT; T < 
     (2, 128, 70, 16, 2, 32),
     (4, 64, 100, 16, 3, 8),
     (16, 64, 45, 16, 8, 8),
+    (3, 32, 50, 16, 3, 8),  # G not a power of two: the tiles' padded heads read the next group's rows
 ]
 
 
@@ -77,8 +78,10 @@ def test_sparse_attention_kernel_matches_twin(G, d, T, B, k, BT, dtype):
 
 
 def test_sparse_attention_backward_in_chunks_of_tiles(monkeypatch):
-    """dK, dV and dc of a block from several programs (its tiles in chunks, added atomically)."""
+    """dK, dV and dc of a block from several programs (its tiles in ranges of 3 and those in chunks of
+    2, added atomically)."""
     monkeypatch.setattr(attention, "DKV_CHUNK", 2)
+    monkeypatch.setattr(attention, "DKV_RANGE", 3)
     test_sparse_attention_kernel_matches_twin(*CASES[2], torch.float32)
 
 
