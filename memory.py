@@ -52,7 +52,7 @@ def prefill_bytes(cfg, T, C, dtype, stream_on_host=False):
     (model.Transformer.prefill), C tokens a chunk: the prompt's residual stream (T, dim), or the next
     chunk of it when it is kept in host memory, one layer's K, V, c and pooled caches and a copy of
     them (the cache's prefill stacks K and V), the RoPE tables of every position,
-    and the largest of one chunk's activations: RoPE in fp32, scoring and selection (nosa.SELECT_ROWS
+    and the largest of one chunk's activations: RoPE in fp32, scoring and selection (nosa.select_rows
     queries at a time, over nb blocks; the selection kept as tiles), the MLP. A bound checked against
     the measured peak on the GPU."""
     H, H_q, d, dim = cfg.H_kv, cfg.H_q, cfg.head_dim, cfg.dim
@@ -62,7 +62,7 @@ def prefill_bytes(cfg, T, C, dtype, stream_on_host=False):
         d * elt + 4) + T * d * 4  # and RoPE's cos and sin (T, d/2) in fp32
     # q, k, v; the selection as tiles (attention.Tiles: at most k block ids and bits a query, int32)
     live = 2 * (H_q + 2 * H) * d * elt + 4 * dim * elt + (H * 8 * cfg.k if cfg.sparse else 0)
-    select = min(C, nosa.SELECT_ROWS) * H * nb * 20 if cfg.sparse else 0  # the scores Q and their parts, fp32
+    select = min(C, nosa.select_rows(nb)) * H * nb * 20 if cfg.sparse else 0  # the scores Q and their parts, fp32
     peak = max(16 * H_q * d, 4 * cfg.hidden_dim * elt + dim * (8 + 2 * elt)) * C
     ahead = C * dim * elt if stream_on_host else 0  # the next chunk of the stream, on its way (kvcache.ResidualStream)
     return whole + C * live + ahead + max(select, peak) + 2**27  # and 128 MiB for workspaces

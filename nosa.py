@@ -85,7 +85,14 @@ def select_blocks(Q, E, q_pos, cfg, core_ids=None):
 
 
 GROUPS, CAP_PER_PICK = 128, 4  # the selection kernel's groups of blocks and its room for keys (_kth_best)
-SELECT_ROWS = 4096  # queries scored and selected at a time: the temporaries are (SELECT_ROWS, nb), whatever T
+SELECT_ROWS, SELECT_SCORES = 4096, 2**23  # queries scored and selected at a time (select_rows)
+
+
+def select_rows(nb):
+    """Queries scored and selected at a time over nb blocks: SELECT_ROWS, or a multiple of it while the
+    temporaries (rows, nb) hold at most SELECT_SCORES scores: a short sequence takes fewer, fuller
+    launches (at 32K, 4 times fewer), and from 128K on the temporaries are (SELECT_ROWS, nb)."""
+    return SELECT_ROWS * max(1, SELECT_SCORES // (SELECT_ROWS * nb))
 
 
 def select(q, K_sub, core_ids, q_pos, nb, cfg):
@@ -134,17 +141,17 @@ def select_step_torch(Q, core_ids, q_pos, cfg):
 
 def select_tiles(q, K_sub, lists, q_pos, nb, cfg, first):
     """Γ(t) of the parallel forward's queries (training, a prefill's chunk), scored and selected
-    SELECT_ROWS queries at a time, in the form the training kernels read (attention.Tiles: for each
+    select_rows(nb) queries at a time, in the form the training kernels read (attention.Tiles: for each
     tile of BT queries the union of the blocks they selected and which of them selected each), so no
     (T, nb) tensor is ever whole. lists: eviction.block_lists of the query blocks from `first` on, or None.
     One Triton kernel on a GPU (select_tiles_triton), its twin select_tiles_torch elsewhere."""
-    T = q.shape[2]
+    T, R = q.shape[2], select_rows(nb)
     BT = attention.tile_size(cfg.G, cfg.B)
     U = min(nb, BT * cfg.k)  # a tile's union holds at most BT * k blocks
     parts = []
-    for t in range(0, T, SELECT_ROWS):  # a multiple of BT: chunks hold whole tiles
-        pos = q_pos[:, t:t + SELECT_ROWS]
-        Q = pooling.query_aware_scores(q[:, :, t:t + SELECT_ROWS], K_sub, pos, nb, cfg)  # (Bz, H_kv, R, nb)
+    for t in range(0, T, R):  # a multiple of BT: chunks hold whole tiles
+        pos = q_pos[:, t:t + R]
+        Q = pooling.query_aware_scores(q[:, :, t:t + R], K_sub, pos, nb, cfg)  # (Bz, H_kv, R, nb)
         f = select_tiles_triton if Q.is_cuda and Q.dtype == torch.float32 else select_tiles_torch
         parts.append(f(Q, lists, first, pos, cfg, BT, U))
     idx, bits, n = parts[0] if len(parts) == 1 else (torch.cat(x, 2) for x in zip(*parts))

@@ -42,9 +42,9 @@ def bench_prefill(H_q=32, H_kv=2, d=128, lengths=(16384, 32768, 65536, 131072), 
             pos, nb = torch.arange(T, device="cuda")[None], pooling.n_blocks(T, cfg)
             with torch.no_grad():
                 K_sub = pooling.compress_keys(k, cfg)
-                t_score = ms(lambda: [pooling.query_aware_scores(q[:, :, t:t + nosa.SELECT_ROWS], K_sub,
-                                                                 pos[:, t:t + nosa.SELECT_ROWS], nb, cfg)
-                                      for t in range(0, T, nosa.SELECT_ROWS)])
+                R = nosa.select_rows(nb)
+                t_score = ms(lambda: [pooling.query_aware_scores(q[:, :, t:t + R], K_sub, pos[:, t:t + R], nb, cfg)
+                                      for t in range(0, T, R)])
 
                 def sel():  # nosa_attention's selection
                     lists = None

@@ -274,6 +274,7 @@ def test_parallel_selection_equals_decode_selection(tied, rows, monkeypatch):
     rows: the parallel forward scores and selects that many queries at a time, not all 300 at once)."""
     if rows:
         monkeypatch.setattr(nosa, "SELECT_ROWS", rows)
+        monkeypatch.setattr(nosa, "SELECT_SCORES", 0)
     cfg = Config.from_preset("tiny", n_layer=1, B=8, l_c=8, s_c=2, n_win=1, k=6, k_q=2)
     Bz, T = 2, 300
     q = torch.randn(Bz, cfg.H_q, T, cfg.head_dim, dtype=torch.float64)
