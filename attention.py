@@ -117,12 +117,14 @@ def sparse_attention_torch(q, k, v, bias, block_mask, q_pos, B):
 
 @triton.jit
 def _tile_rows(t0, bh, T, H_kv: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, ROWS: tl.constexpr):
-    """Row r of a query tile is (token t0 + r // GP, query head r % GP of the group)."""
+    """Row r of a query tile is (token t0 + r // GP, query head r % GP of the group). Returns the batch,
+    the tokens, which rows exist and their flat (batch, token, head) index: that of lse and rowsum(dO ∘ O)
+    in (Bz, T, H_q), and times d that of q, o, dO in the projections' layout (Bz, T, H_q, d)."""
     b, h = bh // H_kv, bh % H_kv
     r = tl.arange(0, ROWS)
     t, g = t0 + r // GP, r % GP
     ok = (t < T) & (g < G)
-    return b, t, ok, ((b * H_kv * G + h * G + g) * T + t)  # flat (batch, head, token) index of q / o / lse
+    return b, t, ok, (b * T + t) * (H_kv * G) + h * G + g
 
 
 @triton.jit
@@ -151,7 +153,7 @@ def _sparse_fwd(Q, KD, VD, C, T_IDX, T_BITS, T_N, QPOS, O, LSE, scale, T, S, U, 
     t0, prog = tile * BT, bh * tl.num_programs(0) + tile
     b, t, row_ok, rows = _tile_rows(t0, bh, T, H_kv, G, GP, BT * GP)
     h = bh % H_kv
-    qo_row = ((b * T + t) * (H_kv * G) + h * G + tl.arange(0, BT * GP) % GP) * D  # (token, head) of q, o
+    qo_row = rows * D
     offs_d = tl.arange(0, D)
     q = tl.load(Q + qo_row[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     m_i = tl.full([BT * GP], float("-inf"), tl.float32)
@@ -184,7 +186,7 @@ def _sparse_bwd_dq(Q, KD, VD, C, T_IDX, T_BITS, T_N, QPOS, O, DO, LSE, DELTA, DQ
     tile, bh = tl.program_id(0), tl.program_id(1)
     t0, prog = tile * BT, bh * tl.num_programs(0) + tile
     b, t, row_ok, rows = _tile_rows(t0, bh, T, H_kv, G, GP, BT * GP)
-    qo_row = ((b * T + t) * (H_kv * G) + (bh % H_kv) * G + tl.arange(0, BT * GP) % GP) * D  # as in the forward
+    qo_row = rows * D
     offs_d = tl.arange(0, D)
     q = tl.load(Q + qo_row[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     do = tl.load(DO + qo_row[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
@@ -234,7 +236,7 @@ def _sparse_bwd_dkv(QD, K, V, C, REV_OFF, REV_TILE, REV_BITS, QPOS, DOD, LSE, DE
             t0, bits = tl.load(REV_TILE + j) * BT, tl.load(REV_BITS + j)
             t = t0 + r // GP
             row_ok = (t < T) & (g < G)
-            rows = (b * H_kv * G + h * G + g) * T + t
+            rows = (b * T + t) * (H_kv * G) + h * G + g  # lse and delta (Bz, T, H_q): the tile's are contiguous
             q = QD.load([b, t0, h * G, 0]).reshape(BT * GP, D)  # zeros past T and past the heads
             do = DOD.load([b, t0, h * G, 0]).reshape(BT * GP, D)
             lse = tl.load(LSE + rows, mask=row_ok, other=0.0)
@@ -307,7 +309,7 @@ class SparseAttention(torch.autograd.Function):
         c = fp32(bias) if bias is not None else q.new_empty(1, 1, 1, dtype=torch.float32)
         c = c if c.stride(-1) == 1 else c.contiguous()  # read through its batch and head strides
         o = torch.empty_like(q)  # (Bz, H_q, T, d) in q's layout
-        lse = torch.empty(Bz, H_q, T, device=q.device, dtype=torch.float32)
+        lse = torch.empty(Bz, T, H_q, device=q.device, dtype=torch.float32)  # as q, so a tile's rows are contiguous
         meta = dict(H_kv=H_kv, G=G, GP=triton.next_power_of_2(G), D=D, B=B, BT=sel.BT, HAS_BIAS=bias is not None)
         kd, vd = (tma_descriptor(x, (1, 1, B, D)) for x in (k, v))
         _sparse_fwd[(nT, Bz * H_kv)](q, kd, vd, c, sel.idx, sel.bits, sel.n, q_pos, o, lse, 1.0 / math.sqrt(D), T, S,
@@ -325,7 +327,7 @@ class SparseAttention(torch.autograd.Function):
         Bz, H_q, T, D = q.shape
         H_kv, S = k.shape[1], k.shape[2]
         nT, U, nb = idx.shape[2], idx.shape[3], triton.cdiv(S, meta["B"])
-        delta = torch.empty(Bz, H_q, T, device=q.device, dtype=torch.float32)  # rowsum(dO ∘ O), by the dq kernel
+        delta = torch.empty(Bz, T, H_q, device=q.device, dtype=torch.float32)  # rowsum(dO ∘ O), by the dq kernel
         scale = 1.0 / math.sqrt(D)
         dq = torch.empty_like(q)
         kd, vd = (tma_descriptor(x, (1, 1, meta["B"], D)) for x in (k, v))
