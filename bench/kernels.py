@@ -1,5 +1,7 @@
 """The attention kernels at the paper's defaults: training / prefill forward + backward and the fused
 scoring against dense SDPA; one decode step against HBM bandwidth; dense decode per SDPA backend."""
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
@@ -16,10 +18,11 @@ from config import Config
 def bench_prefill(H_q=32, H_kv=2, d=128, lengths=(16384, 32768, 65536, 131072), forward_only=(262144,),
                   modes=("nosa", "infllmv2")):
     """One layer's training / prefill attention at the paper defaults, bf16, batch 1, random q, k, v, c:
-    nosa_attention (scoring, selection, attention) in each mode against causal SDPA (flash, GQA) in the
-    same run, forward for every length and forward + backward for `lengths`; the share of each phase,
-    the TFLOP/s of useful work (the keys each query attends to: min(t + 1, k·B)) and the mean union of
-    blocks a tile of queries reads (tile_union; a query selects k)."""
+    nosa_attention (scoring, selection, attention) in each mode against causal SDPA at its best (the
+    fastest backend and K/V layout: sdpa_at_its_best) in the same run, forward for every length and
+    forward + backward for `lengths`; the share of each phase, the TFLOP/s of useful work (the keys
+    each query attends to: min(t + 1, k·B)) and the mean union of blocks a tile of queries reads
+    (tile_union; a query selects k)."""
     rows = []
     for T in lengths + forward_only:
         torch.manual_seed(0)
@@ -32,10 +35,8 @@ def bench_prefill(H_q=32, H_kv=2, d=128, lengths=(16384, 32768, 65536, 131072), 
         reps = max(3, 2**17 // T * 4)
         ms = lambda f: timed(f, reps)
         q_c, do_c = q.detach().contiguous().requires_grad_(bwd), do.contiguous()  # SDPA: contiguous q, as before
-        with torch.no_grad():
-            t_sdpa = ms(lambda: F.scaled_dot_product_attention(q_c, k, v, is_causal=True, enable_gqa=True))
-        t_sdpa_fb = ms(lambda: F.scaled_dot_product_attention(q_c, k, v, is_causal=True, enable_gqa=True).backward(
-            do_c)) if bwd else None
+        t_sdpa, sdpa_fwd = sdpa_at_its_best(q_c, k, v, None, reps)
+        t_sdpa_fb, sdpa_fb = sdpa_at_its_best(q_c, k, v, do_c, reps) if bwd else (None, None)
         for mode in modes:
             cfg = Config.from_preset("paper", attn=mode)
             c = c0 if cfg.eviction_head else None
@@ -61,19 +62,45 @@ def bench_prefill(H_q=32, H_kv=2, d=128, lengths=(16384, 32768, 65536, 131072), 
                 peak = torch.cuda.max_memory_allocated() - base
             keys = torch.arange(1, T + 1, device="cuda").clamp(max=cfg.k * cfg.B).sum().item()
             useful, dense = 4 * d * H_q * keys, 4 * d * H_q * T * (T + 1) / 2  # FLOP: q·k and p·v
-            row = dict(T=T, mode=mode, nosa_fwd_ms=round(t_fwd, 2), sdpa_fwd_ms=round(t_sdpa, 2),
+            row = dict(T=T, mode=mode, nosa_fwd_ms=round(t_fwd, 2), sdpa_fwd_ms=round(t_sdpa, 2), sdpa_fwd=sdpa_fwd,
                        sdpa_over_nosa_fwd=round(t_sdpa / t_fwd, 2), score_ms=round(t_score, 2),
                        select_ms=round(t_select - t_score, 2), attention_ms=round(t_attn, 2),
                        attention_tflops=round(useful / t_attn / 1e9, 1), sdpa_tflops=round(dense / t_sdpa / 1e9, 1),
                        nosa_fwd_peak_gb=round(peak / 2**30, 2), tile_union=round(tiles.n.float().mean().item(), 1))
             if bwd:
                 t_fb = ms(lambda: nosa.nosa_attention(q, k, v, c, cfg)[0].backward(do))
-                row.update(nosa_fwd_bwd_ms=round(t_fb, 2), sdpa_fwd_bwd_ms=round(t_sdpa_fb, 2),
+                row.update(nosa_fwd_bwd_ms=round(t_fb, 2), sdpa_fwd_bwd_ms=round(t_sdpa_fb, 2), sdpa_fwd_bwd=sdpa_fb,
                            sdpa_over_nosa_fwd_bwd=round(t_sdpa_fb / t_fb, 2))
             rows.append(row)
             print(row, flush=True)
             torch.cuda.empty_cache()
     return rows
+
+
+def sdpa_at_its_best(q, k, v, do, reps):
+    """Causal SDPA as fast as a user could run it: each backend (PyTorch's own choice, flash, cuDNN,
+    memory-efficient), K and V read per KV head (enable_gqa) or expanded to the query heads beforehand
+    (and their gradients taken there), forward (do None) or forward + backward. Returns the fastest
+    time and its name; the combinations a backend does not support are skipped."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    backends = dict(default=None, flash=SDPBackend.FLASH_ATTENTION, cudnn=SDPBackend.CUDNN_ATTENTION,
+                    efficient=SDPBackend.EFFICIENT_ATTENTION)
+    G, best = q.shape[1] // k.shape[1], (float("inf"), None)
+    for layout in ("gqa", "expanded"):
+        kv = [(x if layout == "gqa" else x.repeat_interleave(G, 1)).detach().requires_grad_(do is not None)
+              for x in (k, v)]
+        for name, backend in backends.items():
+            def call():
+                with sdpa_kernel([backend]) if backend else contextlib.nullcontext(), \
+                        torch.set_grad_enabled(do is not None):
+                    o = F.scaled_dot_product_attention(q, *kv, is_causal=True, enable_gqa=layout == "gqa")
+                    if do is not None:
+                        o.backward(do)
+            try:
+                best = min(best, (timed(call, reps), f"{name}, {layout}"), key=lambda x: x[0])
+            except RuntimeError:  # not supported for this shape or layout
+                continue
+    return best
 
 
 def timed(fn, reps):
