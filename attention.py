@@ -20,8 +20,11 @@ the tests (tests/test_kernels.py, run under TRITON_INTERPRET=1 on CPU). Kernel d
   - K and V blocks come through TMA descriptors (common.tma_descriptor): each SM's copy unit loads a
     block with no addresses in registers (the forward 1.12x faster than with pointer loads on one 8b
     chunk at 124K, 6% over a whole 128K prefill; BENCHMARKS.md); the backward's dK/dV kernel reads
-    each tile's q and dO the same way;
-  - the bias is added after the 1/√d scale, the softmax is online, in fp32;
+    each tile's q, dO, lse and rowsum(dO ∘ O) the same way;
+  - the bias is added after the 1/√d scale, the softmax is online, in fp32; the kernels keep logits
+    in base 2 (times log2 e), so each exponential is one exp2, and mask a score with one comparison:
+    its key against the last key its row may see (the row's position, -1 where the row's token did
+    not select the block);
   - backward: dq per tile as in the forward; dk, dv and dc (column sums of dS) per key block, over
     the tiles that selected it (the tiles' lists sorted by block), a range of tiles at a time so the
     programs running together read the same tiles' q and dO from L2, and in chunks that add up
@@ -127,23 +130,22 @@ def _tile_rows(t0, bh, T, H_kv: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
     return b, t, ok, (b * T + t) * (H_kv * G) + h * G + g
 
 
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # logits in base 2: exp2 is the GPU's own exponential
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+
+
 @triton.jit
-def _scores(q, kb, C, QPOS, bits, b, c_row, t, t0, row_ok, blk, T, S, scale, B: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """Logits (ROWS, B) of a query tile against key block blk, and which of them are allowed: the
-    row's token selected the block (its bit) and the key is not after it. c_row: where the KV head's
-    bias starts in C."""
-    tok = blk * B + tl.arange(0, B)
-    pos = tl.load(QPOS + b * T + t, mask=row_ok, other=-1)
-    sel = ((bits >> (t - t0)) & 1) > 0
-    ok = sel[:, None] & (tok[None, :] <= pos[:, None]) & (tok[None, :] < S)
-    s = tl.dot(q, tl.trans(kb)) * scale
+def _scores(q, kb, C, c_row, tok, S, scale2, HAS_BIAS: tl.constexpr):
+    """Logits (ROWS, B) of a query tile against the keys tok, times log2 e (scale2 = log2 e / √d):
+    exp2 of them is the softmax's exp. c_row: where the KV head's bias starts in C."""
+    s = tl.dot(q, tl.trans(kb)) * scale2
     if HAS_BIAS:
-        s += tl.load(C + c_row + tok, mask=tok < S, other=0.0)[None, :]
-    return s, ok
+        s += tl.load(C + c_row + tok, mask=tok < S, other=0.0)[None, :] * LOG2E
+    return s
 
 
 @triton.jit
-def _sparse_fwd(Q, KD, VD, C, T_IDX, T_BITS, T_N, QPOS, O, LSE, scale, T, S, U, C_B, C_H,
+def _sparse_fwd(Q, KD, VD, C, T_IDX, T_BITS, T_N, QPOS, O, LSE, scale2, T, S, U, C_B, C_H,
                 H_kv: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
                 BT: tl.constexpr, HAS_BIAS: tl.constexpr):
     """q and o in the projections' layout (Bz, T, H_q, d); K and V as TMA descriptors of (Bz, H_kv, S, d)
@@ -156,6 +158,8 @@ def _sparse_fwd(Q, KD, VD, C, T_IDX, T_BITS, T_N, QPOS, O, LSE, scale, T, S, U, 
     qo_row = rows * D
     offs_d = tl.arange(0, D)
     q = tl.load(Q + qo_row[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    pos = tl.minimum(tl.load(QPOS + b * T + t, mask=row_ok, other=-1), S - 1)  # the last key a row may see
+    c_row = b * C_B + h * C_H
     m_i = tl.full([BT * GP], float("-inf"), tl.float32)
     l_i = tl.zeros([BT * GP], tl.float32)
     acc = tl.zeros([BT * GP, D], tl.float32)
@@ -163,22 +167,24 @@ def _sparse_fwd(Q, KD, VD, C, T_IDX, T_BITS, T_N, QPOS, O, LSE, scale, T, S, U, 
         blk, bits = tl.load(T_IDX + prog * U + i), tl.load(T_BITS + prog * U + i)
         kb = KD.load([b, h, blk * B, 0]).reshape(B, D)  # zeros past S
         vb = VD.load([b, h, blk * B, 0]).reshape(B, D)
-        s, ok = _scores(q, kb, C, QPOS, bits, b, b * C_B + h * C_H, t, t0, row_ok, blk, T, S, scale, B, HAS_BIAS)
-        s = tl.where(ok, s, float("-inf"))
+        tok = blk * B + tl.arange(0, B)
+        s = _scores(q, kb, C, c_row, tok, S, scale2, HAS_BIAS)
+        last = tl.where(((bits >> (t - t0)) & 1) > 0, pos, -1)  # the row's token selected the block, or none
+        s = tl.where(tok[None, :] <= last[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing allowed yet: add nothing
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
         m_i = m_new
     l_i = tl.where(l_i > 0, l_i, 1.0)  # rows past the end of the sequence or the group
     tl.store(O + qo_row[:, None] + offs_d[None, :], (acc / l_i[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None])
-    tl.store(LSE + rows, m_i + tl.log(l_i), mask=row_ok)
+    tl.store(LSE + rows, (m_i + tl.log2(l_i)) * LN2, mask=row_ok)
 
 
 @triton.jit
-def _sparse_bwd_dq(Q, KD, VD, C, T_IDX, T_BITS, T_N, QPOS, O, DO, LSE, DELTA, DQ, scale, T, S, U,
+def _sparse_bwd_dq(Q, KD, VD, C, T_IDX, T_BITS, T_N, QPOS, O, DO, LSE, DELTA, DQ, scale2, T, S, U,
                    H_kv: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
                    BT: tl.constexpr, HAS_BIAS: tl.constexpr):
     """dq of a query tile, as the forward walks its blocks; it also writes rowsum(dO ∘ O), which the
@@ -193,23 +199,28 @@ def _sparse_bwd_dq(Q, KD, VD, C, T_IDX, T_BITS, T_N, QPOS, O, DO, LSE, DELTA, DQ
     o = tl.load(O + qo_row[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
     tl.store(DELTA + rows, delta, mask=row_ok)
-    lse = tl.load(LSE + rows, mask=row_ok, other=0.0)
+    lse2 = tl.load(LSE + rows, mask=row_ok, other=0.0) * LOG2E
+    pos = tl.minimum(tl.load(QPOS + b * T + t, mask=row_ok, other=-1), S - 1)
     dq = tl.zeros([BT * GP, D], tl.float32)
     for i in range(tl.load(T_N + prog)):
         blk, bits = tl.load(T_IDX + prog * U + i), tl.load(T_BITS + prog * U + i)
         kb = KD.load([b, bh % H_kv, blk * B, 0]).reshape(B, D)
         vb = VD.load([b, bh % H_kv, blk * B, 0]).reshape(B, D)
-        s, ok = _scores(q, kb, C, QPOS, bits, b, bh * S, t, t0, row_ok, blk, T, S, scale, B, HAS_BIAS)
-        p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
+        tok = blk * B + tl.arange(0, B)
+        last = tl.where(((bits >> (t - t0)) & 1) > 0, pos, -1)
+        p = tl.exp2(_scores(q, kb, C, bh * S, tok, S, scale2, HAS_BIAS) - lse2[:, None])
+        p = tl.where(tok[None, :] <= last[:, None], p, 0.0)
         ds = p * (tl.dot(do, tl.trans(vb)) - delta[:, None])
         dq += tl.dot(ds.to(kb.dtype), kb)
-    tl.store(DQ + qo_row[:, None] + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+    dq *= scale2 * LN2  # 1/√d
+    tl.store(DQ + qo_row[:, None] + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
-def _sparse_bwd_dkv(QD, K, V, C, REV_OFF, REV_TILE, REV_BITS, QPOS, DOD, LSE, DELTA, DK, DV, DC, scale, T, S, NB,
-                    NR, H_kv: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
-                    BT: tl.constexpr, CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _sparse_bwd_dkv(QD, K, V, C, REV_OFF, REV_TILE, REV_BITS, QPOS, DOD, LSE, DELTA, LSED, DELTAD, DK, DV, DC, scale2,
+                    T, S, NB, NR, H_kv: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                    B: tl.constexpr, BT: tl.constexpr, CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    LSE_TMA: tl.constexpr):
     """dK, dV, dc of one key block from one chunk of the query tiles of one range (of NR) that selected
     it; the programs of a range run side by side, so the tiles' q and dO they read stay in L2, and the
     ranges and chunks of a block add up atomically in fp32. q and dO come as TMA boxes (1, BT, GP, d) of
@@ -226,7 +237,7 @@ def _sparse_bwd_dkv(QD, K, V, C, REV_OFF, REV_TILE, REV_BITS, QPOS, DOD, LSE, DE
         k_ok = tok < S
         kb = tl.load(K + kv, mask=k_ok[:, None], other=0.0)
         vb = tl.load(V + kv, mask=k_ok[:, None], other=0.0)
-        c_blk = tl.load(C + bh * S + tok, mask=k_ok, other=0.0) if HAS_BIAS else tl.zeros([B], tl.float32)
+        c_blk = tl.load(C + bh * S + tok, mask=k_ok, other=0.0) * LOG2E if HAS_BIAS else tl.zeros([B], tl.float32)
         dk = tl.zeros([B, D], tl.float32)
         dv = tl.zeros([B, D], tl.float32)
         dc = tl.zeros([B], tl.float32)
@@ -239,18 +250,22 @@ def _sparse_bwd_dkv(QD, K, V, C, REV_OFF, REV_TILE, REV_BITS, QPOS, DOD, LSE, DE
             rows = (b * T + t) * (H_kv * G) + h * G + g  # lse and delta (Bz, T, H_q): the tile's are contiguous
             q = QD.load([b, t0, h * G, 0]).reshape(BT * GP, D)  # zeros past T and past the heads
             do = DOD.load([b, t0, h * G, 0]).reshape(BT * GP, D)
-            lse = tl.load(LSE + rows, mask=row_ok, other=0.0)
-            delta = tl.load(DELTA + rows, mask=row_ok, other=0.0)
+            if LSE_TMA:
+                lse2 = LSED.load([b, t0, h * G]).reshape(BT * GP) * LOG2E
+                delta = DELTAD.load([b, t0, h * G]).reshape(BT * GP)
+            else:
+                lse2 = tl.load(LSE + rows, mask=row_ok, other=0.0) * LOG2E
+                delta = tl.load(DELTA + rows, mask=row_ok, other=0.0)
+            # transposed, (keys, rows): p^T and dS^T are the left operands of dV and dK as they come
+            pT = tl.exp2(tl.dot(kb, tl.trans(q)) * scale2 + c_blk[:, None] - lse2[None, :])
             pos = tl.load(QPOS + b * T + t, mask=row_ok, other=-1)
             last = tl.where(((bits >> (t - t0)) & 1) > 0, pos, -1)  # the last key each row may see here
-            # transposed, (keys, rows): p^T and dS^T are the left operands of dV and dK as they come
-            sT = tl.dot(kb, tl.trans(q)) * scale + c_blk[:, None]
-            pT = tl.where(tok[:, None] <= last[None, :], tl.exp(sT - lse[None, :]), 0.0)
+            pT = tl.where(tok[:, None] <= last[None, :], pT, 0.0)
             dv += tl.dot(pT.to(do.dtype), do)
             dsT = pT * (tl.dot(vb, tl.trans(do)) - delta[None, :])
             dk += tl.dot(dsT.to(q.dtype), q)
             dc += tl.sum(dsT, 1)
-        tl.atomic_add(DK + kv, dk * scale, mask=k_ok[:, None])
+        tl.atomic_add(DK + kv, dk * (scale2 * LN2), mask=k_ok[:, None])
         tl.atomic_add(DV + kv, dv, mask=k_ok[:, None])
         if HAS_BIAS:
             tl.atomic_add(DC + bh * S + tok, dc, mask=k_ok)
@@ -264,6 +279,11 @@ LAUNCH = dict(num_warps=4, num_stages=3)  # the tiled forward: the fastest of a 
 LAUNCH_BWD = dict(num_warps=4, num_stages=2)  # the backward's two kernels: the fastest of a sweep at 64K
 DKV_CHUNK = 256  # query tiles per program of the dK/dV kernel: fewer atomic adds (32: 1.11x slower at 128K)
 DKV_RANGE = 1024  # query tiles per range of the dK/dV kernel's grid: its time 0.91x that of one range (32K, 128K)
+
+
+def log2e_rsqrt(d):
+    """The kernels' logit scale, log2 e / √d: their logits are in base 2, for exp2."""
+    return 1 / (math.sqrt(d) * math.log(2))
 
 
 def tile_size(G, B):
@@ -312,8 +332,8 @@ class SparseAttention(torch.autograd.Function):
         lse = torch.empty(Bz, T, H_q, device=q.device, dtype=torch.float32)  # as q, so a tile's rows are contiguous
         meta = dict(H_kv=H_kv, G=G, GP=triton.next_power_of_2(G), D=D, B=B, BT=sel.BT, HAS_BIAS=bias is not None)
         kd, vd = (tma_descriptor(x, (1, 1, B, D)) for x in (k, v))
-        _sparse_fwd[(nT, Bz * H_kv)](q, kd, vd, c, sel.idx, sel.bits, sel.n, q_pos, o, lse, 1.0 / math.sqrt(D), T, S,
-                                    U, c.stride(0), c.stride(1), **meta, **LAUNCH)
+        _sparse_fwd[(nT, Bz * H_kv)](q, kd, vd, c, sel.idx, sel.bits, sel.n, q_pos, o, lse, log2e_rsqrt(D), T, S, U,
+                                    c.stride(0), c.stride(1), **meta, **LAUNCH)
         ctx.save_for_backward(q, k, v, c, sel.idx, sel.bits, sel.n, q_pos, o, lse)
         ctx.meta, ctx.BT = meta, sel.BT
         return o
@@ -328,19 +348,21 @@ class SparseAttention(torch.autograd.Function):
         H_kv, S = k.shape[1], k.shape[2]
         nT, U, nb = idx.shape[2], idx.shape[3], triton.cdiv(S, meta["B"])
         delta = torch.empty(Bz, T, H_q, device=q.device, dtype=torch.float32)  # rowsum(dO ∘ O), by the dq kernel
-        scale = 1.0 / math.sqrt(D)
+        scale2 = log2e_rsqrt(D)
         dq = torch.empty_like(q)
         kd, vd = (tma_descriptor(x, (1, 1, meta["B"], D)) for x in (k, v))
-        _sparse_bwd_dq[(nT, Bz * H_kv)](q, kd, vd, c, idx, bits, n, q_pos, o, do, lse, delta, dq, scale, T, S, U,
+        _sparse_bwd_dq[(nT, Bz * H_kv)](q, kd, vd, c, idx, bits, n, q_pos, o, do, lse, delta, dq, scale2, T, S, U,
                                        **meta, **LAUNCH_BWD)
         span = min(nT, DKV_RANGE)
         off, rev_tile, rev_bits, n_r = tiles_by_block(Tiles(idx, bits, n, ctx.BT, T), nb, span)
         dk, dv = (torch.zeros(Bz, H_kv, S, D, device=q.device, dtype=torch.float32) for _ in range(2))
         dc = torch.zeros(Bz, H_kv, S, device=q.device, dtype=torch.float32)
         qd, dod = (tma_descriptor(x.transpose(1, 2), (1, ctx.BT, meta["GP"], D)) for x in (q, do))
+        lse_tma = meta["GP"] >= 4 and H_q % 4 == 0  # TMA: rows of at least 16 bytes, aligned
+        lsed, deltad = ((tma_descriptor(x, (1, ctx.BT, meta["GP"])) for x in (lse, delta)) if lse_tma else (lse, delta))
         _sparse_bwd_dkv[(n_r * nb, triton.cdiv(span, DKV_CHUNK), Bz * H_kv)](
-            qd, k, v, c, off, rev_tile, rev_bits, q_pos, dod, lse, delta, dk, dv, dc, scale, T, S, nb, n_r,
-            CHUNK=DKV_CHUNK, **meta, **LAUNCH_BWD)
+            qd, k, v, c, off, rev_tile, rev_bits, q_pos, dod, lse, delta, lsed, deltad, dk, dv, dc, scale2, T, S, nb,
+            n_r, CHUNK=DKV_CHUNK, LSE_TMA=lse_tma, **meta, **LAUNCH_BWD)
         return dq, dk.to(k.dtype), dv.to(v.dtype), (dc if meta["HAS_BIAS"] else None), None, None, None
 
 
