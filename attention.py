@@ -217,7 +217,7 @@ def _sparse_bwd_dq(Q, KD, VD, C, T_IDX, T_BITS, T_N, QPOS, O, DO, LSE, DELTA, DQ
 
 
 @triton.jit
-def _sparse_bwd_dkv(QD, K, V, C, REV_OFF, REV_TILE, REV_BITS, QPOS, DOD, LSE, DELTA, LSED, DELTAD, DK, DV, DC, scale2,
+def _sparse_bwd_dkv(QD, K, V, C, REV_OFF, REV_TILE, REV_BITS, QPOS, DOD, LSE, DELTA, DK, DV, DC, scale2,
                     T, S, NB, NR, H_kv: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                     B: tl.constexpr, BT: tl.constexpr, CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr,
                     LSE_TMA: tl.constexpr):
@@ -250,9 +250,9 @@ def _sparse_bwd_dkv(QD, K, V, C, REV_OFF, REV_TILE, REV_BITS, QPOS, DOD, LSE, DE
             rows = (b * T + t) * (H_kv * G) + h * G + g  # lse and delta (Bz, T, H_q): the tile's are contiguous
             q = QD.load([b, t0, h * G, 0]).reshape(BT * GP, D)  # zeros past T and past the heads
             do = DOD.load([b, t0, h * G, 0]).reshape(BT * GP, D)
-            if LSE_TMA:
-                lse2 = LSED.load([b, t0, h * G]).reshape(BT * GP) * LOG2E
-                delta = DELTAD.load([b, t0, h * G]).reshape(BT * GP)
+            if LSE_TMA:  # LSE and DELTA as TMA descriptors of boxes (1, BT, GP): pipelined with q and dO
+                lse2 = LSE.load([b, t0, h * G]).reshape(BT * GP) * LOG2E
+                delta = DELTA.load([b, t0, h * G]).reshape(BT * GP)
             else:
                 lse2 = tl.load(LSE + rows, mask=row_ok, other=0.0) * LOG2E
                 delta = tl.load(DELTA + rows, mask=row_ok, other=0.0)
@@ -359,10 +359,11 @@ class SparseAttention(torch.autograd.Function):
         dc = torch.zeros(Bz, H_kv, S, device=q.device, dtype=torch.float32)
         qd, dod = (tma_descriptor(x.transpose(1, 2), (1, ctx.BT, meta["GP"], D)) for x in (q, do))
         lse_tma = meta["GP"] >= 4 and H_q % 4 == 0  # TMA: rows of at least 16 bytes, aligned
-        lsed, deltad = ((tma_descriptor(x, (1, ctx.BT, meta["GP"])) for x in (lse, delta)) if lse_tma else (lse, delta))
+        if lse_tma:
+            lse, delta = (tma_descriptor(x, (1, ctx.BT, meta["GP"])) for x in (lse, delta))
         _sparse_bwd_dkv[(n_r * nb, triton.cdiv(span, DKV_CHUNK), Bz * H_kv)](
-            qd, k, v, c, off, rev_tile, rev_bits, q_pos, dod, lse, delta, lsed, deltad, dk, dv, dc, scale2, T, S, nb,
-            n_r, CHUNK=DKV_CHUNK, LSE_TMA=lse_tma, **meta, **LAUNCH_BWD)
+            qd, k, v, c, off, rev_tile, rev_bits, q_pos, dod, lse, delta, dk, dv, dc, scale2, T, S, nb, n_r,
+            CHUNK=DKV_CHUNK, LSE_TMA=lse_tma, **meta, **LAUNCH_BWD)
         return dq, dk.to(k.dtype), dv.to(v.dtype), (dc if meta["HAS_BIAS"] else None), None, None, None
 
 
