@@ -20,7 +20,7 @@ the tests (tests/test_kernels.py, run under TRITON_INTERPRET=1 on CPU). Kernel d
   - K and V blocks come through TMA descriptors (common.tma_descriptor): each SM's copy unit loads a
     block with no addresses in registers (the forward 1.12x faster than with pointer loads on one 8b
     chunk at 124K, 6% over a whole 128K prefill; BENCHMARKS.md); the backward's dK/dV kernel reads
-    each tile's q, dO, lse and rowsum(dO ∘ O) the same way;
+    each tile's q, dO, lse, rowsum(dO ∘ O) and positions the same way;
   - the bias is added after the 1/√d scale, the softmax is online, in fp32; the kernels keep logits
     in base 2 (times log2 e), so each exponential is one exp2, and mask a score with one comparison:
     its key against the last key its row may see (the row's position, -1 where the row's token did
@@ -220,7 +220,7 @@ def _sparse_bwd_dq(Q, KD, VD, C, T_IDX, T_BITS, T_N, QPOS, O, DO, LSE, DELTA, DQ
 def _sparse_bwd_dkv(QD, K, V, C, REV_OFF, REV_TILE, REV_BITS, QPOS, DOD, LSE, DELTA, DK, DV, DC, scale2,
                     T, S, NB, NR, H_kv: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                     B: tl.constexpr, BT: tl.constexpr, CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    LSE_TMA: tl.constexpr):
+                    ROW_TMA: tl.constexpr):
     """dK, dV, dc of one key block from one chunk of the query tiles of one range (of NR) that selected
     it; the programs of a range run side by side, so the tiles' q and dO they read stay in L2, and the
     ranges and chunks of a block add up atomically in fp32. q and dO come as TMA boxes (1, BT, GP, d) of
@@ -250,16 +250,18 @@ def _sparse_bwd_dkv(QD, K, V, C, REV_OFF, REV_TILE, REV_BITS, QPOS, DOD, LSE, DE
             rows = (b * T + t) * (H_kv * G) + h * G + g  # lse and delta (Bz, T, H_q): the tile's are contiguous
             q = QD.load([b, t0, h * G, 0]).reshape(BT * GP, D)  # zeros past T and past the heads
             do = DOD.load([b, t0, h * G, 0]).reshape(BT * GP, D)
-            if LSE_TMA:  # LSE and DELTA as TMA descriptors of boxes (1, BT, GP): pipelined with q and dO
+            if ROW_TMA:  # LSE, DELTA, QPOS as TMA descriptors, boxes (1, BT, GP) and (1, BT): pipelined as q, dO
                 lse2 = LSE.load([b, t0, h * G]).reshape(BT * GP) * LOG2E
                 delta = DELTA.load([b, t0, h * G]).reshape(BT * GP)
+                pos = tl.reshape(tl.broadcast_to(QPOS.load([b, t0]).reshape(BT)[:, None], (BT, GP)), (BT * GP,))
             else:
                 lse2 = tl.load(LSE + rows, mask=row_ok, other=0.0) * LOG2E
                 delta = tl.load(DELTA + rows, mask=row_ok, other=0.0)
+                pos = tl.load(QPOS + b * T + t, mask=row_ok, other=-1)
             # transposed, (keys, rows): p^T and dS^T are the left operands of dV and dK as they come
             pT = tl.exp2(tl.dot(kb, tl.trans(q)) * scale2 + c_blk[:, None] - lse2[None, :])
-            pos = tl.load(QPOS + b * T + t, mask=row_ok, other=-1)
-            last = tl.where(((bits >> (t - t0)) & 1) > 0, pos, -1)  # the last key each row may see here
+            sel = (((bits >> (t - t0)) & 1) > 0) & (g < G)  # the row's token selected the block; not a padded head
+            last = tl.where(sel, pos, -1)  # the last key each row may see here
             pT = tl.where(tok[:, None] <= last[None, :], pT, 0.0)
             dv += tl.dot(pT.to(do.dtype), do)
             dsT = pT * (tl.dot(vb, tl.trans(do)) - delta[None, :])
@@ -345,7 +347,7 @@ class SparseAttention(torch.autograd.Function):
         do = do.transpose(1, 2).contiguous().transpose(1, 2)  # q's layout (Bz, T, H_q, d), as q and o are
         meta = ctx.meta
         Bz, H_q, T, D = q.shape
-        H_kv, S = k.shape[1], k.shape[2]
+        H_kv, S, G = k.shape[1], k.shape[2], meta["G"]
         nT, U, nb = idx.shape[2], idx.shape[3], triton.cdiv(S, meta["B"])
         delta = torch.empty(Bz, T, H_q, device=q.device, dtype=torch.float32)  # rowsum(dO ∘ O), by the dq kernel
         scale2 = log2e_rsqrt(D)
@@ -358,12 +360,13 @@ class SparseAttention(torch.autograd.Function):
         dk, dv = (torch.zeros(Bz, H_kv, S, D, device=q.device, dtype=torch.float32) for _ in range(2))
         dc = torch.zeros(Bz, H_kv, S, device=q.device, dtype=torch.float32)
         qd, dod = (tma_descriptor(x.transpose(1, 2), (1, ctx.BT, meta["GP"], D)) for x in (q, do))
-        lse_tma = meta["GP"] >= 4 and H_q % 4 == 0  # TMA: rows of at least 16 bytes, aligned
-        if lse_tma:
+        row_tma = G % 4 == 0 and ctx.BT >= 4  # TMA: boxes' rows of at least 16 bytes, starting 16-byte aligned
+        if row_tma:
             lse, delta = (tma_descriptor(x, (1, ctx.BT, meta["GP"])) for x in (lse, delta))
+            q_pos = tma_descriptor(F.pad(q_pos, (0, -T % 4), value=-1), (1, ctx.BT))
         _sparse_bwd_dkv[(n_r * nb, triton.cdiv(span, DKV_CHUNK), Bz * H_kv)](
             qd, k, v, c, off, rev_tile, rev_bits, q_pos, dod, lse, delta, dk, dv, dc, scale2, T, S, nb, n_r,
-            CHUNK=DKV_CHUNK, LSE_TMA=lse_tma, **meta, **LAUNCH_BWD)
+            CHUNK=DKV_CHUNK, ROW_TMA=row_tma, **meta, **LAUNCH_BWD)
         return dq, dk.to(k.dtype), dv.to(v.dtype), (dc if meta["HAS_BIAS"] else None), None, None, None
 
 

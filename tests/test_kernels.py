@@ -41,6 +41,7 @@ CASES = [  # (G, d, T, B, k, BT): T not a multiple of B nor of the tile BT; T < 
     (4, 64, 100, 16, 3, 8),
     (16, 64, 45, 16, 8, 8),
     (3, 32, 50, 16, 3, 8),  # G not a power of two: the tiles' padded heads read the next group's rows
+    (12, 32, 50, 16, 3, 4),  # and with the rows of lse, rowsum(dO ∘ O) and positions read by TMA (G = 4n)
 ]
 
 
