@@ -246,8 +246,6 @@ def _sparse_bwd_dkv(QD, K, V, C, REV_OFF, REV_TILE, REV_BITS, QPOS, DOD, LSE, DE
         for j in range(j0, tl.minimum(j0 + CHUNK, hi)):
             t0, bits = tl.load(REV_TILE + j) * BT, tl.load(REV_BITS + j)
             t = t0 + r // GP
-            row_ok = (t < T) & (g < G)
-            rows = (b * T + t) * (H_kv * G) + h * G + g  # lse and delta (Bz, T, H_q): the tile's are contiguous
             q = QD.load([b, t0, h * G, 0]).reshape(BT * GP, D)  # zeros past T and past the heads
             do = DOD.load([b, t0, h * G, 0]).reshape(BT * GP, D)
             if ROW_TMA:  # LSE, DELTA, QPOS as TMA descriptors, boxes (1, BT, GP) and (1, BT): pipelined as q, dO
@@ -255,6 +253,8 @@ def _sparse_bwd_dkv(QD, K, V, C, REV_OFF, REV_TILE, REV_BITS, QPOS, DOD, LSE, DE
                 delta = DELTA.load([b, t0, h * G]).reshape(BT * GP)
                 pos = tl.reshape(tl.broadcast_to(QPOS.load([b, t0]).reshape(BT)[:, None], (BT, GP)), (BT * GP,))
             else:
+                row_ok = (t < T) & (g < G)
+                rows = (b * T + t) * (H_kv * G) + h * G + g  # lse and delta (Bz, T, H_q): the tile's are contiguous
                 lse2 = tl.load(LSE + rows, mask=row_ok, other=0.0) * LOG2E
                 delta = tl.load(DELTA + rows, mask=row_ok, other=0.0)
                 pos = tl.load(QPOS + b * T + t, mask=row_ok, other=-1)
