@@ -34,6 +34,11 @@ def largest_plan(cfg, weights, requests, prompt_len, max_len, dtype, budget, hos
     return 0, (None, False)
 
 
+def seconds(t):
+    """Seconds to 4 significant figures: a tiny model's prefill on a GPU takes milliseconds."""
+    return float(f"{t:.4g}")
+
+
 def compose(N, Bz, G, t_prefill, t_step, t_step_last=None):
     """Static batches of Bz: (times to first token of the N requests, total seconds). t_step_last: the
     step of the last batch where it is smaller (N % Bz sequences), else t_step."""
@@ -102,15 +107,15 @@ def bench_requests(shape="8b", prompt_len=131072, new_tokens=(1024, 8192), reque
             fill_random(cache, cfg, last, prompt_len, dev, dtype)
             t_last = timed_steps(GraphedDecode(model, cache), last, cfg, steps, dev, sync)
             row.update(last_batch=last, last_step_ms=round(t_last * 1e3, 2))
-        row.update(ttft_one_s=round(t_prefill, 2), prefill_tokens_s=round(prompt_len / t_prefill),
+        row.update(ttft_one_s=seconds(t_prefill), prefill_tokens_s=round(prompt_len / t_prefill),
                    decode_tokens_s=round(Bz / t_step, 1), step_ms=round(t_step * 1e3, 2),
                    prefill_gb_beyond=round(prefill_peak / 2**30, 2),
                    modelled_gb=round(memory.prefill_bytes(cfg, prompt_len, chunk, dtype, on_host) / 2**30, 2),
                    gpu_peak_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None)
         for G in new_tokens:
             ttft, total = compose(requests, Bz, G, t_prefill, t_step, t_last if last else None)
-            row[f"G{G}"] = dict(ttft_median_s=round(statistics.median(ttft), 1), ttft_max_s=round(max(ttft), 1),
-                                total_s=round(total, 1), output_tokens_s=round(requests * G / total, 1))
+            row[f"G{G}"] = dict(ttft_median_s=seconds(statistics.median(ttft)), ttft_max_s=seconds(max(ttft)),
+                                total_s=seconds(total), output_tokens_s=round(requests * G / total, 1))
         print(row, flush=True)
         del cache, model
         free(cuda)

@@ -122,8 +122,9 @@ def test_quality_bench_on_the_embedded_model(tmp_path):
 
 
 def test_requests_bench_small():
-    """python -m bench requests on CPU (tiny shape): each system's batch comes from the memory plan,
-    the composition of static batches adds up, and offloading fits more sequences than full attention."""
+    """python -m bench requests, tiny shape (in fp32 on CPU, bf16 on a GPU): each system's batch comes from
+    the memory plan, the composition of static batches adds up, and offloading fits more sequences than full
+    attention."""
     from bench.requests import bench_requests, compose
     ttft, total = compose(5, 2, 10, 1.0, 0.1)
     assert ttft == [1.0, 2.0, 3.9, 4.9, 6.8] and total == pytest.approx(5 * 1.0 + 3 * 9 * 0.1)
@@ -131,9 +132,10 @@ def test_requests_bench_small():
     assert ttft == [1.0, 2.0, 3.9, 4.9, 6.8] and total == pytest.approx(5 * 1.0 + 2 * 9 * 0.1 + 9 * 0.05)
     import memory
     cfg, P, G = Config.from_preset("tiny", attn="full"), 600, 16
-    weights = 4 * sum(p.numel() for p in __import__("model").Transformer(cfg).parameters())
-    need = lambda n: weights + memory.cache_bytes(cfg, n, P + G, torch.float32, False)[0] + max(
-        memory.decode_bytes(cfg, n, P + G, torch.float32), memory.prefill_bytes(cfg, P, 512, torch.float32))
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32  # what the bench runs in
+    weights = dtype.itemsize * sum(p.numel() for p in __import__("model").Transformer(cfg).parameters())
+    need = lambda n: weights + memory.cache_bytes(cfg, n, P + G, dtype, False)[0] + max(
+        memory.decode_bytes(cfg, n, P + G, dtype), memory.prefill_bytes(cfg, P, 512, dtype))
     budget = (need(2) + need(3)) / 2 / 2**30  # full attention fits 2 sequences
     rows = bench_requests(shape="tiny", prompt_len=P, new_tokens=(G,), requests=5, budget_gb=budget, steps=2,
                           systems=("nosa-offload", "full"))
