@@ -35,8 +35,8 @@ def bench_prefill(H_q=32, H_kv=2, d=128, lengths=(16384, 32768, 65536, 131072), 
         reps = max(3, 2**17 // T * 4)
         ms = lambda f: timed(f, reps)
         q_c, do_c = q.detach().contiguous().requires_grad_(bwd), do.contiguous()  # SDPA: contiguous q, as before
-        t_sdpa, sdpa_fwd = sdpa_at_its_best(q_c, k, v, None, reps)
-        t_sdpa_fb, sdpa_fb = sdpa_at_its_best(q_c, k, v, do_c, reps) if bwd else (None, None)
+        t_sdpa, sdpa_fwd, t_fa2 = sdpa_at_its_best(q_c, k, v, None, reps)
+        t_sdpa_fb, sdpa_fb, t_fa2_fb = sdpa_at_its_best(q_c, k, v, do_c, reps) if bwd else (None, None, None)
         for mode in modes:
             cfg = Config.from_preset("paper", attn=mode)
             c = c0 if cfg.eviction_head else None
@@ -63,14 +63,16 @@ def bench_prefill(H_q=32, H_kv=2, d=128, lengths=(16384, 32768, 65536, 131072), 
             keys = torch.arange(1, T + 1, device="cuda").clamp(max=cfg.k * cfg.B).sum().item()
             useful, dense = 4 * d * H_q * keys, 4 * d * H_q * T * (T + 1) / 2  # FLOP: q·k and p·v
             row = dict(T=T, mode=mode, nosa_fwd_ms=round(t_fwd, 2), sdpa_fwd_ms=round(t_sdpa, 2), sdpa_fwd=sdpa_fwd,
-                       sdpa_over_nosa_fwd=round(t_sdpa / t_fwd, 2), score_ms=round(t_score, 2),
+                       sdpa_over_nosa_fwd=round(t_sdpa / t_fwd, 2), fa2_fwd_ms=round(t_fa2, 2),
+                       fa2_over_nosa_fwd=round(t_fa2 / t_fwd, 2), score_ms=round(t_score, 2),
                        select_ms=round(t_select - t_score, 2), attention_ms=round(t_attn, 2),
                        attention_tflops=round(useful / t_attn / 1e9, 1), sdpa_tflops=round(dense / t_sdpa / 1e9, 1),
                        nosa_fwd_peak_gb=round(peak / 2**30, 2), tile_union=round(tiles.n.float().mean().item(), 1))
             if bwd:
                 t_fb = ms(lambda: nosa.nosa_attention(q, k, v, c, cfg)[0].backward(do))
                 row.update(nosa_fwd_bwd_ms=round(t_fb, 2), sdpa_fwd_bwd_ms=round(t_sdpa_fb, 2), sdpa_fwd_bwd=sdpa_fb,
-                           sdpa_over_nosa_fwd_bwd=round(t_sdpa_fb / t_fb, 2))
+                           sdpa_over_nosa_fwd_bwd=round(t_sdpa_fb / t_fb, 2), fa2_fwd_bwd_ms=round(t_fa2_fb, 2),
+                           fa2_over_nosa_fwd_bwd=round(t_fa2_fb / t_fb, 2))
             rows.append(row)
             print(row, flush=True)
             torch.cuda.empty_cache()
@@ -81,11 +83,12 @@ def sdpa_at_its_best(q, k, v, do, reps):
     """Causal SDPA as fast as a user could run it: each backend (PyTorch's own choice, flash, cuDNN,
     memory-efficient), K and V read per KV head (enable_gqa) or expanded to the query heads beforehand
     (and their gradients taken there), forward (do None) or forward + backward. Returns the fastest
-    time and its name; the combinations a backend does not support are skipped."""
+    time, its name, and the flash backend's best time (FlashAttention-2, the baseline of the published
+    sparse kernels' speed-ups); the combinations a backend does not support are skipped."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     backends = dict(default=None, flash=SDPBackend.FLASH_ATTENTION, cudnn=SDPBackend.CUDNN_ATTENTION,
                     efficient=SDPBackend.EFFICIENT_ATTENTION)
-    G, best = q.shape[1] // k.shape[1], (float("inf"), None)
+    G, best, fa2 = q.shape[1] // k.shape[1], (float("inf"), None), float("inf")
     for layout in ("gqa", "expanded"):
         kv = [(x if layout == "gqa" else x.repeat_interleave(G, 1)).detach().requires_grad_(do is not None)
               for x in (k, v)]
@@ -97,10 +100,12 @@ def sdpa_at_its_best(q, k, v, do, reps):
                     if do is not None:
                         o.backward(do)
             try:
-                best = min(best, (timed(call, reps), f"{name}, {layout}"), key=lambda x: x[0])
+                t = timed(call, reps)
             except RuntimeError:  # not supported for this shape or layout
                 continue
-    return best
+            best = min(best, (t, f"{name}, {layout}"), key=lambda x: x[0])
+            fa2 = min(fa2, t) if name == "flash" else fa2
+    return (*best, fa2)
 
 
 def timed(fn, reps):
