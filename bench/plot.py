@@ -20,8 +20,7 @@ def plot_prefill(plt):
     T = [r["T"] // 1024 for r in nosa]
     fig, ax = plt.subplots(figsize=(6, 3.6))
     ax.plot(T, [r["sdpa_fwd_ms"] for r in nosa], "o-", label="dense SDPA (at its best), forward")
-    if "fa2_fwd_ms" in nosa[0]:
-        ax.plot(T, [r["fa2_fwd_ms"] for r in nosa], "o:", label="FlashAttention-2, forward")
+    ax.plot(T, [r["fa2_fwd_ms"] for r in nosa], "o:", label="FlashAttention-2, forward")
     ax.plot(T, [r["nosa_fwd_ms"] for r in nosa], "o-", label="nosa, forward")
     inf = [r for r in rows if r.get("mode") == "infllmv2"]
     if inf:
