@@ -34,7 +34,7 @@ def bench_prefill(H_q=32, H_kv=2, d=128, lengths=(16384, 32768, 65536, 131072), 
         do = torch.randn_like(q)
         reps = max(3, 2**17 // T * 4)
         ms = lambda f: timed(f, reps)
-        q_c, do_c = q.detach().contiguous().requires_grad_(bwd), do.contiguous()  # SDPA: contiguous q, as before
+        q_c, do_c = q.detach().contiguous().requires_grad_(bwd), do.contiguous()  # SDPA reads a contiguous q
         t_sdpa, sdpa_fwd, t_fa2 = sdpa_at_its_best(q_c, k, v, None, reps)
         t_sdpa_fb, sdpa_fb, t_fa2_fb = sdpa_at_its_best(q_c, k, v, do_c, reps) if bwd else (None, None, None)
         for mode in modes:
