@@ -1,406 +1,114 @@
 """
-Block-sparse attention with a per-token additive bias: the torch twin and the Triton kernels of
-training and prefill (decode.py has the kernels of one query per sequence).
+Attention with a per-token additive bias over a selection of KV blocks, in torch: the definition
+each kernel is tested against.
 
     o_t = Σ_{j in Γ(t), j <= t} softmax_j(q_t·k_j/√d + bias_j) v_j        (docs/METHOD.md §3)
 
 Notation: Bz batch, H_q / H_kv query / KV heads, G = H_q / H_kv, T queries, S keys, d head dim,
-B block size, k selected blocks per (query, KV head).
+B block size, k selected blocks per (query, KV head); R = Bz·H_kv rows (sequence, KV head).
 
-  sparse_attention   training and prefill (and any T); the selection comes as Tiles: the queries
-                     in tiles of BT consecutive tokens, and for each tile the union of the blocks its
-                     tokens selected with one bit per token (O(T · k) memory, never (T, nb)).
+  sparse_attention   any T queries over a block mask (training, a prefill's chunk, a decode step
+                     against a resident cache: sparse_decode)
+  full_attention     every causal key (the `full` mode)
+  slot_attention     one query per sequence over the GPU slot pool of offload.py
+  dense_decode       one query per sequence over a whole cache (the full-attention baseline)
 
-Every kernel has its twin here, with the same signature; the twin is the CPU path and the oracle of
-the tests (tests/test_kernels.py, run under TRITON_INTERPRET=1 on CPU). Kernel design:
-  - a program takes a tile of BT consecutive query tokens with all G heads of their group (about
-    128 rows) and walks the union of the blocks those tokens selected: neighbours share the forced
-    blocks and the query-agnostic core, so each K/V block is read once per tile for every head, and
-    the dots are (BT·G, d) x (d, B); which row may see which block comes from the block's bits;
-  - K and V blocks come through TMA descriptors (common.tma_descriptor): each SM's copy unit loads a
-    block with no addresses in registers (the forward 1.12x faster than with pointer loads on one 8b
-    chunk at 124K, 6% over a whole 128K prefill; BENCHMARKS.md); the backward's dK/dV kernel reads
-    each tile's q, dO, lse, rowsum(dO ∘ O) and positions the same way;
-  - the bias is added after the 1/√d scale, the softmax is online, in fp32; the kernels keep logits
-    in base 2 (times log2 e), so each exponential is one exp2, and mask a score with one comparison:
-    its key against the last key its row may see (the row's position, -1 where the row's token did
-    not select the block);
-  - backward: dq per tile as in the forward; dk, dv and dc (column sums of dS) per key block, over
-    the tiles that selected it (the tiles' lists sorted by block), a range of tiles at a time so the
-    programs running together read the same tiles' q and dO from L2, and in chunks that add up
-    atomically in fp32, so the blocks every query selects (sink, window) do not serialise the launch;
-    its products are taken as (keys, rows), so p^T and dS^T feed dV and dK without a transpose.
+The bias is added after the 1/√d scale; softmax and its statistics are in fp32 (fp64 stays fp64).
+Kernels: attention_kernels.py (T queries: forward and backward, over the selection as tiles of
+neighbouring queries), decode_kernels.py (one query per sequence, split over its blocks).
 """
+
 import math
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
-from torch.nn.attention.bias import causal_lower_right
 
-from common import fp32, tma_descriptor
-
-# -----------------------------------------------------------------------------
-# torch twins
+import attention_kernels
+import decode_kernels
+from common import fp32, use_kernels
 
 
-class Tiles(NamedTuple):
-    """Γ(t) of T queries as the training kernels read it: the queries in tiles of BT consecutive tokens;
-    for each tile the union of the blocks its tokens selected, ascending and -1 padded (idx), for each
-    of those which tokens selected it, bit j for the tile's token j (bits), and how many there are (n)."""
-    idx: torch.Tensor  # (Bz, H_kv, nT, U) int32 block ids
-    bits: torch.Tensor  # (Bz, H_kv, nT, U) int32
-    n: torch.Tensor  # (Bz, H_kv, nT) int32
-    BT: int
-    T: int
-
-    def mask(self, nb):
-        """The block mask (Bz, H_kv, T, nb) bool."""
-        Bz, H_kv, nT, U = self.idx.shape
-        j = torch.arange(self.BT, device=self.idx.device, dtype=torch.int32)
-        sel = (self.bits[..., None] >> j) & 1 > 0  # (Bz, H_kv, nT, U, BT)
-        at = torch.where(self.idx >= 0, self.idx, nb).long()[..., None].expand_as(sel)
-        m = torch.zeros(Bz, H_kv, nT, nb + 1, self.BT, dtype=torch.bool, device=sel.device).scatter_(3, at, sel)
-        return m[:, :, :, :nb].transpose(3, 4).reshape(Bz, H_kv, nT * self.BT, nb)[:, :, :self.T]
-
-
-def mask_to_tiles(block_mask, BT, U):
-    """A block mask (Bz, H_kv, T, nb) -> its Tiles' (idx, bits, n), the union of a tile at most U blocks."""
-    Bz, H_kv, T, nb = block_mask.shape
-    nT = triton.cdiv(T, BT)
-    m = F.pad(block_mask, (0, 0, 0, nT * BT - T)).view(Bz, H_kv, nT, BT, nb).to(torch.int32)
-    bits = (m << torch.arange(BT, device=m.device, dtype=torch.int32)[:, None]).sum(3, dtype=torch.int32)
-    idx = mask_to_indices(bits != 0, U)
-    bits = torch.where(idx >= 0, bits.gather(-1, idx.clamp(min=0).long()), 0)
-    return idx, bits, (idx >= 0).sum(-1, dtype=torch.int32)
-
-
-def mask_to_indices(block_mask, k):
-    """(…, T, nb) bool -> (…, T, k) int32 ascending block ids, -1 padded (at most k are selected)."""
-    nb = block_mask.shape[-1]
-    ids = torch.where(block_mask, torch.arange(nb, device=block_mask.device, dtype=torch.int32), nb)
-    ids = ids.sort(-1).values[..., :k]
-    if ids.shape[-1] < k:
-        ids = F.pad(ids, (0, k - ids.shape[-1]), value=nb)
-    return torch.where(ids < nb, ids, -1).contiguous()
-
-
-@torch.amp.autocast("cuda", enabled=False)  # scores, bias and softmax stay in fp32 under bf16 autocast
+@torch.amp.autocast("cuda", enabled=False)  # scores, bias and softmax stay in fp32 under autocast
 def attend(q, k, v, logit_add):
     """softmax(q·k/√d + logit_add) v for G query heads per KV head, in fp32 (or fp64).
 
-    q: (Bz, H_kv, G, T, d); k, v: (Bz, H_kv, S, d); logit_add: (Bz, H_kv, T, S), the bias where a key
-    may be attended and -inf where not. Returns (Bz, H_kv, G, T, d)."""
+    q: (Bz, H_kv, G, T, d); k, v: (Bz, H_kv, S, d); logit_add: (Bz, H_kv, T, S), the bias where a
+    key may be attended and -inf where not. Returns (Bz, H_kv, G, T, d)."""
     d = q.shape[-1]
-    s = fp32(q) * (1.0 / math.sqrt(d)) @ fp32(k)[:, :, None].transpose(-1, -2)  # (Bz, H_kv, G, T, S)
+    s = fp32(q) * (1.0 / math.sqrt(d)) @ fp32(k)[:, :, None].transpose(-1, -2)  # (.., G, T, S)
     p = torch.softmax(s + logit_add[:, :, None], dim=-1)
     return p @ fp32(v)[:, :, None]
 
 
-def sparse_attention_torch(q, k, v, bias, block_mask, q_pos, B):
-    """q: (Bz, H_q, T, d); k, v: (Bz, H_kv, S, d) keys at positions 0..S-1; bias: (Bz, H_kv, S) or None;
-    block_mask: (Bz, H_kv, T, nb) or None (all causal); q_pos: (Bz, T). Returns (Bz, H_q, T, d)."""
+def sparse_attention(q, k, v, bias, block_mask, q_pos, B):
+    """q: (Bz, H_q, T, d) at positions q_pos (Bz, T); k, v: (Bz, H_kv, S, d) keys at positions
+    0..S-1; bias: (Bz, H_kv, S) or None; block_mask: (Bz, H_kv, T, nb), or None for every causal
+    key. Returns (Bz, H_q, T, d). Kernel: attention_kernels.sparse_attention (Γ(t) as tiles)."""
     Bz, H_q, T, d = q.shape
     H_kv, S = k.shape[1], k.shape[2]
     j = torch.arange(S, device=q.device)
     allowed = (j <= q_pos[..., None])[:, None]  # (Bz, 1, T, S) causal
     if block_mask is not None:
         allowed = allowed & block_mask[..., j // B]  # (Bz, H_kv, T, S)
-    bias = fp32(bias)[:, :, None, :] if bias is not None else torch.zeros((), device=q.device, dtype=fp32(q).dtype)
+    zero = torch.zeros((), device=q.device, dtype=fp32(q).dtype)
+    bias = fp32(bias)[:, :, None, :] if bias is not None else zero
     logit_add = torch.where(allowed, bias, float("-inf"))  # (Bz, H_kv, T, S)
     o = attend(q.view(Bz, H_kv, H_q // H_kv, T, d), k, v, logit_add)  # (Bz, H_kv, G, T, d)
     return o.reshape(Bz, H_q, T, d).to(q.dtype)
 
 
-# -----------------------------------------------------------------------------
-# Triton kernels
+def full_attention(q, k, v, q_pos):
+    """Every causal key, no bias: the queries at q_pos (Bz, T) are the last T of the S positions (a
+    whole sequence, or a prefill's chunk). Kernel: torch's flash attention
+    (attention_kernels.causal_sdpa)."""
+    if use_kernels(q):
+        return attention_kernels.causal_sdpa(q, k, v)
+    return sparse_attention(q, k, v, None, None, q_pos, 1)
 
 
-@triton.jit
-def _tile_rows(t0, bh, T, H_kv: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, ROWS: tl.constexpr):
-    """Row r of a query tile is (token t0 + r // GP, query head r % GP of the group). Returns the batch,
-    the tokens, which rows exist and their flat (batch, token, head) index: that of lse and rowsum(dO ∘ O)
-    in (Bz, T, H_q), and times d that of q, o, dO in the projections' layout (Bz, T, H_q, d)."""
-    b, h = bh // H_kv, bh % H_kv
-    r = tl.arange(0, ROWS)
-    t, g = t0 + r // GP, r % GP
-    ok = (t < T) & (g < G)
-    return b, t, ok, (b * T + t) * (H_kv * G) + h * G + g
+def sparse_decode(q, k, v, bias, block_mask, pos, cfg):
+    """sparse_attention for one query per sequence against a resident cache (kvcache.KVCache):
+    q (Bz, H_q, 1, d) at positions pos (Bz,), at most k selected blocks per row.
+    Kernel: decode_kernels.sparse_decode."""
+    if use_kernels(q, cfg):
+        return decode_kernels.sparse_decode(q, k, v, bias, block_mask, pos, cfg.B, cfg.k)
+    return sparse_attention(q, k, v, bias, block_mask, pos[:, None], cfg.B)
 
 
-LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # logits in base 2: exp2 is the GPU's own exponential
-LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+def slot_attention(q, pool, slot_block, bias, pos, cfg):
+    """Decode over the slot pool: q (Bz, H_q, 1, d); pool (R, k+1, 2, B, d), slot k the tail block
+    (the one being written); slot_block (R, k) the block in each slot, -1 free; bias (Bz, H_kv, S)
+    per token or None; pos (Bz,). Every resident block is selected (offload.set_difference freed
+    the rest), so the keys are the k slots and the tail up to pos.
+    Kernel: decode_kernels.slot_attention."""
+    B = cfg.B
+    if use_kernels(q, cfg):
+        return decode_kernels.slot_attention(q, pool, slot_block, bias, pos, B)
+    Bz, H_q, _, d = q.shape
+    R, k1 = pool.shape[:2]
+    H = R // Bz
+    blk = torch.cat([slot_block, (pos // B).repeat_interleave(H)[:, None]], 1).view(Bz, H, k1)
+    tok = blk[..., None] * B + torch.arange(B, device=q.device)  # (Bz, H, k+1, B) positions
+    valid = ((blk[..., None] >= 0) & (tok <= pos[:, None, None, None])).view(Bz, H, -1)
+    kv = pool.view(Bz, H, k1, 2, B, d)
+    keys, vals = kv[:, :, :, 0].reshape(Bz, H, -1, d), kv[:, :, :, 1].reshape(Bz, H, -1, d)
+    logit_add = torch.zeros((), device=q.device, dtype=fp32(q).dtype)
+    if bias is not None:  # (Bz, H, (k+1) B)
+        logit_add = fp32(bias).gather(2, tok.clamp(0, bias.shape[2] - 1).view(Bz, H, -1))
+    logit_add = torch.where(valid, logit_add, float("-inf"))[:, :, None]  # (Bz, H, 1, (k+1) B)
+    o = attend(q.view(Bz, H, H_q // H, 1, d), keys, vals, logit_add)  # (Bz, H, G, 1, d)
+    return o.reshape(Bz, H_q, 1, d).to(q.dtype)
 
 
-@triton.jit
-def _scores(q, kb, C, c_row, tok, S, scale2, HAS_BIAS: tl.constexpr):
-    """Logits (ROWS, B) of a query tile against the keys tok, times log2 e (scale2 = log2 e / √d):
-    exp2 of them is the softmax's exp. c_row: where the KV head's bias starts in C."""
-    s = tl.dot(q, tl.trans(kb)) * scale2
-    if HAS_BIAS:
-        s += tl.load(C + c_row + tok, mask=tok < S, other=0.0)[None, :] * LOG2E
-    return s
-
-
-@triton.jit
-def _sparse_fwd(Q, KD, VD, C, T_IDX, T_BITS, T_N, QPOS, O, LSE, scale2, T, S, U, C_B, C_H,
-                H_kv: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
-                BT: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """q and o in the projections' layout (Bz, T, H_q, d); K and V as TMA descriptors of (Bz, H_kv, S, d)
-    in (1, 1, B, d) tiles (common.tma_descriptor: any aligned strides, a prefill's keys so far are a view
-    of a longer buffer); C_B, C_H the batch and head strides of C."""
-    tile, bh = tl.program_id(0), tl.program_id(1)
-    t0, prog = tile * BT, bh * tl.num_programs(0) + tile
-    b, t, row_ok, rows = _tile_rows(t0, bh, T, H_kv, G, GP, BT * GP)
-    h = bh % H_kv
-    qo_row = rows * D
-    offs_d = tl.arange(0, D)
-    q = tl.load(Q + qo_row[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    pos = tl.minimum(tl.load(QPOS + b * T + t, mask=row_ok, other=-1), S - 1)  # the last key a row may see
-    c_row = b * C_B + h * C_H
-    m_i = tl.full([BT * GP], float("-inf"), tl.float32)
-    l_i = tl.zeros([BT * GP], tl.float32)
-    acc = tl.zeros([BT * GP, D], tl.float32)
-    for i in range(tl.load(T_N + prog)):  # the union of the blocks the tile's tokens selected, each read once for all
-        blk, bits = tl.load(T_IDX + prog * U + i), tl.load(T_BITS + prog * U + i)
-        kb = KD.load([b, h, blk * B, 0]).reshape(B, D)  # zeros past S
-        vb = VD.load([b, h, blk * B, 0]).reshape(B, D)
-        tok = blk * B + tl.arange(0, B)
-        s = _scores(q, kb, C, c_row, tok, S, scale2, HAS_BIAS)
-        last = tl.where(((bits >> (t - t0)) & 1) > 0, pos, -1)  # the row's token selected the block, or none
-        s = tl.where(tok[None, :] <= last[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing allowed yet: add nothing
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
-        m_i = m_new
-    l_i = tl.where(l_i > 0, l_i, 1.0)  # rows past the end of the sequence or the group
-    tl.store(O + qo_row[:, None] + offs_d[None, :], (acc / l_i[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None])
-    tl.store(LSE + rows, (m_i + tl.log2(l_i)) * LN2, mask=row_ok)
-
-
-@triton.jit
-def _sparse_bwd_dq(Q, KD, VD, C, T_IDX, T_BITS, T_N, QPOS, O, DO, LSE, DELTA, DQ, scale2, T, S, U,
-                   H_kv: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
-                   BT: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """dq of a query tile, as the forward walks its blocks; it also writes rowsum(dO ∘ O), which the
-    dK/dV kernel reads. q, dO, o and dq in the projections' layout (Bz, T, H_q, d), as in the forward."""
-    tile, bh = tl.program_id(0), tl.program_id(1)
-    t0, prog = tile * BT, bh * tl.num_programs(0) + tile
-    b, t, row_ok, rows = _tile_rows(t0, bh, T, H_kv, G, GP, BT * GP)
-    qo_row = rows * D
-    offs_d = tl.arange(0, D)
-    q = tl.load(Q + qo_row[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + qo_row[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    o = tl.load(O + qo_row[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
-    tl.store(DELTA + rows, delta, mask=row_ok)
-    lse2 = tl.load(LSE + rows, mask=row_ok, other=0.0) * LOG2E
-    pos = tl.minimum(tl.load(QPOS + b * T + t, mask=row_ok, other=-1), S - 1)
-    dq = tl.zeros([BT * GP, D], tl.float32)
-    for i in range(tl.load(T_N + prog)):
-        blk, bits = tl.load(T_IDX + prog * U + i), tl.load(T_BITS + prog * U + i)
-        kb = KD.load([b, bh % H_kv, blk * B, 0]).reshape(B, D)
-        vb = VD.load([b, bh % H_kv, blk * B, 0]).reshape(B, D)
-        tok = blk * B + tl.arange(0, B)
-        last = tl.where(((bits >> (t - t0)) & 1) > 0, pos, -1)
-        p = tl.exp2(_scores(q, kb, C, bh * S, tok, S, scale2, HAS_BIAS) - lse2[:, None])
-        p = tl.where(tok[None, :] <= last[:, None], p, 0.0)
-        ds = p * (tl.dot(do, tl.trans(vb)) - delta[:, None])
-        dq += tl.dot(ds.to(kb.dtype), kb)
-    dq *= scale2 * LN2  # 1/√d
-    tl.store(DQ + qo_row[:, None] + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
-
-
-@triton.jit
-def _sparse_bwd_dkv(QD, K, V, C, REV_OFF, REV_TILE, REV_BITS, QPOS, DOD, LSE, DELTA, DK, DV, DC, scale2,
-                    T, S, NB, NR, H_kv: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                    B: tl.constexpr, BT: tl.constexpr, CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    ROW_TMA: tl.constexpr):
-    """dK, dV, dc of one key block from one chunk of the query tiles of one range (of NR) that selected
-    it; the programs of a range run side by side, so the tiles' q and dO they read stay in L2, and the
-    ranges and chunks of a block add up atomically in fp32. q and dO come as TMA boxes (1, BT, GP, d) of
-    the projections' layout (Bz, T, H_q, d): a tile's rows ordered (token, head)."""
-    seg, chunk, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # seg: (range, block)
-    blk = seg % NB
-    lo, hi = tl.load(REV_OFF + bh * NR * NB + seg), tl.load(REV_OFF + bh * NR * NB + seg + 1)
-    j0 = lo + chunk * CHUNK
-    if j0 < hi:
-        b, h = bh // H_kv, bh % H_kv
-        offs_d, offs_n = tl.arange(0, D), tl.arange(0, B)
-        tok = blk * B + offs_n
-        kv = (bh * S + tok[:, None]) * D + offs_d[None, :]
-        k_ok = tok < S
-        kb = tl.load(K + kv, mask=k_ok[:, None], other=0.0)
-        vb = tl.load(V + kv, mask=k_ok[:, None], other=0.0)
-        c_blk = tl.load(C + bh * S + tok, mask=k_ok, other=0.0) * LOG2E if HAS_BIAS else tl.zeros([B], tl.float32)
-        dk = tl.zeros([B, D], tl.float32)
-        dv = tl.zeros([B, D], tl.float32)
-        dc = tl.zeros([B], tl.float32)
-        r = tl.arange(0, BT * GP)
-        g = r % GP
-        for j in range(j0, tl.minimum(j0 + CHUNK, hi)):
-            t0, bits = tl.load(REV_TILE + j) * BT, tl.load(REV_BITS + j)
-            t = t0 + r // GP
-            q = QD.load([b, t0, h * G, 0]).reshape(BT * GP, D)  # zeros past T and past the heads
-            do = DOD.load([b, t0, h * G, 0]).reshape(BT * GP, D)
-            if ROW_TMA:  # LSE, DELTA, QPOS as TMA descriptors, boxes (1, BT, GP) and (1, BT): pipelined as q, dO
-                lse2 = LSE.load([b, t0, h * G]).reshape(BT * GP) * LOG2E
-                delta = DELTA.load([b, t0, h * G]).reshape(BT * GP)
-                pos = tl.reshape(tl.broadcast_to(QPOS.load([b, t0]).reshape(BT)[:, None], (BT, GP)), (BT * GP,))
-            else:
-                row_ok = (t < T) & (g < G)
-                rows = (b * T + t) * (H_kv * G) + h * G + g  # lse and delta (Bz, T, H_q): the tile's are contiguous
-                lse2 = tl.load(LSE + rows, mask=row_ok, other=0.0) * LOG2E
-                delta = tl.load(DELTA + rows, mask=row_ok, other=0.0)
-                pos = tl.load(QPOS + b * T + t, mask=row_ok, other=-1)
-            # transposed, (keys, rows): p^T and dS^T are the left operands of dV and dK as they come
-            pT = tl.exp2(tl.dot(kb, tl.trans(q)) * scale2 + c_blk[:, None] - lse2[None, :])
-            sel = (((bits >> (t - t0)) & 1) > 0) & (g < G)  # the row's token selected the block; not a padded head
-            last = tl.where(sel, pos, -1)  # the last key each row may see here
-            pT = tl.where(tok[:, None] <= last[None, :], pT, 0.0)
-            dv += tl.dot(pT.to(do.dtype), do)
-            dsT = pT * (tl.dot(vb, tl.trans(do)) - delta[None, :])
-            dk += tl.dot(dsT.to(q.dtype), q)
-            dc += tl.sum(dsT, 1)
-        tl.atomic_add(DK + kv, dk * (scale2 * LN2), mask=k_ok[:, None])
-        tl.atomic_add(DV + kv, dv, mask=k_ok[:, None])
-        if HAS_BIAS:
-            tl.atomic_add(DC + bh * S + tok, dc, mask=k_ok)
-
-
-# -----------------------------------------------------------------------------
-# Launchers and dispatch
-
-
-LAUNCH = dict(num_warps=4, num_stages=3)  # the tiled forward: the fastest of a sweep at 128K (H200)
-LAUNCH_BWD = dict(num_warps=4, num_stages=2)  # the backward's two kernels: the fastest of a sweep at 64K
-DKV_CHUNK = 256  # query tiles per program of the dK/dV kernel: fewer atomic adds (32: 1.11x slower at 128K)
-DKV_RANGE = 1024  # query tiles per range of the dK/dV kernel's grid: its time 0.91x that of one range (32K, 128K)
-
-
-def log2e_rsqrt(d):
-    """The kernels' logit scale, log2 e / √d: their logits are in base 2, for exp2."""
-    return 1 / (math.sqrt(d) * math.log(2))
-
-
-def tile_size(G, B):
-    """Query tokens per tile: about 64 rows (tokens x heads of the group: one warp group's tensor-core
-    tile), within one block, at most 32 (one bit each). Smaller tiles read fewer blocks no row of them
-    needs (at the paper's shape a 4-token tile reads 1.6 times the 64 blocks a token selects, an
-    8-token tile 2.3 times): at 128K the 4-token tile is twice as fast as the 8-token one."""
-    return max(1, min(B, 32, 64 // triton.next_power_of_2(G)))
-
-
-def tiles_by_block(sel, nb, span):
-    """The reverse of the tiles' lists: for every range of `span` tiles and every key block, the tiles
-    of the range that selected it (ascending) and their bits, as one list sorted by (row, range, block,
-    tile) with the offsets where each (range, block) part starts (the unused places of the tiles' lists
-    sort last, so nothing here waits for the GPU). Returns those and the ranges' count."""
-    Bz, H_kv, nT, U = sel.idx.shape
-    n_r = triton.cdiv(nT, span)
-    n_seg = Bz * H_kv * n_r * nb
-    row = torch.arange(Bz * H_kv, device=sel.idx.device).view(Bz, H_kv, 1, 1)
-    tile = torch.arange(nT, device=sel.idx.device).view(1, 1, nT, 1)
-    seg = (row * n_r + tile // span) * nb + sel.idx
-    key, order = torch.where(sel.idx >= 0, seg * nT + tile, n_seg * nT).flatten().sort()
-    off = torch.searchsorted(key, torch.arange(n_seg + 1, device=key.device) * nT).to(torch.int32)
-    return off, (key % nT).to(torch.int32), sel.bits.flatten()[order], n_r
-
-
-class SparseAttention(torch.autograd.Function):
-    """The Triton path of sparse_attention, forward and backward. Tokens are processed in tiles of
-    BT consecutive queries (all G heads of the group), over the union of the blocks they selected:
-    neighbours share the forced blocks and the query-agnostic core, so each K/V block is read once
-    per tile and the dots are (BT·G, d) x (d, B). Which rows selected a block comes from its bits."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, bias, sel, q_pos, B):
-        Bz, H_q, T, D = q.shape
-        H_kv, S = k.shape[1], k.shape[2]
-        G = H_q // H_kv
-        nT, U = sel.idx.shape[2], sel.idx.shape[3]
-        # q and o in the projections' layout (Bz, T, H_q, d), as the model makes and reads them: not copied;
-        # K and V (a prefill's keys so far, any aligned layout) through TMA descriptors, not copied either
-        q = q.transpose(1, 2).contiguous().transpose(1, 2)  # a view where q already is in that layout
-        q_pos = q_pos.to(torch.int32).contiguous()
-        c = fp32(bias) if bias is not None else q.new_empty(1, 1, 1, dtype=torch.float32)
-        c = c if c.stride(-1) == 1 else c.contiguous()  # read through its batch and head strides
-        o = torch.empty_like(q)  # (Bz, H_q, T, d) in q's layout
-        lse = torch.empty(Bz, T, H_q, device=q.device, dtype=torch.float32)  # as q, so a tile's rows are contiguous
-        meta = dict(H_kv=H_kv, G=G, GP=triton.next_power_of_2(G), D=D, B=B, BT=sel.BT, HAS_BIAS=bias is not None)
-        kd, vd = (tma_descriptor(x, (1, 1, B, D)) for x in (k, v))
-        _sparse_fwd[(nT, Bz * H_kv)](q, kd, vd, c, sel.idx, sel.bits, sel.n, q_pos, o, lse, log2e_rsqrt(D), T, S, U,
-                                    c.stride(0), c.stride(1), **meta, **LAUNCH)
-        ctx.save_for_backward(q, k, v, c, sel.idx, sel.bits, sel.n, q_pos, o, lse)
-        ctx.meta, ctx.BT = meta, sel.BT
-        return o
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, c, idx, bits, n, q_pos, o, lse = ctx.saved_tensors
-        k, v, c = k.contiguous(), v.contiguous(), c.contiguous()
-        do = do.transpose(1, 2).contiguous().transpose(1, 2)  # q's layout (Bz, T, H_q, d), as q and o are
-        meta = ctx.meta
-        Bz, H_q, T, D = q.shape
-        H_kv, S, G = k.shape[1], k.shape[2], meta["G"]
-        nT, U, nb = idx.shape[2], idx.shape[3], triton.cdiv(S, meta["B"])
-        delta = torch.empty(Bz, T, H_q, device=q.device, dtype=torch.float32)  # rowsum(dO ∘ O), by the dq kernel
-        scale2 = log2e_rsqrt(D)
-        dq = torch.empty_like(q)
-        kd, vd = (tma_descriptor(x, (1, 1, meta["B"], D)) for x in (k, v))
-        _sparse_bwd_dq[(nT, Bz * H_kv)](q, kd, vd, c, idx, bits, n, q_pos, o, do, lse, delta, dq, scale2, T, S, U,
-                                       **meta, **LAUNCH_BWD)
-        span = min(nT, DKV_RANGE)
-        off, rev_tile, rev_bits, n_r = tiles_by_block(Tiles(idx, bits, n, ctx.BT, T), nb, span)
-        dk, dv = (torch.zeros(Bz, H_kv, S, D, device=q.device, dtype=torch.float32) for _ in range(2))
-        dc = torch.zeros(Bz, H_kv, S, device=q.device, dtype=torch.float32)
-        qd, dod = (tma_descriptor(x.transpose(1, 2), (1, ctx.BT, meta["GP"], D)) for x in (q, do))
-        row_tma = G % 4 == 0 and ctx.BT >= 4  # TMA: boxes' rows of at least 16 bytes, starting 16-byte aligned
-        if row_tma:
-            lse, delta = (tma_descriptor(x, (1, ctx.BT, meta["GP"])) for x in (lse, delta))
-            q_pos = tma_descriptor(F.pad(q_pos, (0, -T % 4), value=-1), (1, ctx.BT))
-        _sparse_bwd_dkv[(n_r * nb, triton.cdiv(span, DKV_CHUNK), Bz * H_kv)](
-            qd, k, v, c, off, rev_tile, rev_bits, q_pos, dod, lse, delta, dk, dv, dc, scale2, T, S, nb, n_r,
-            CHUNK=DKV_CHUNK, ROW_TMA=row_tma, **meta, **LAUNCH_BWD)
-        return dq, dk.to(k.dtype), dv.to(v.dtype), (dc if meta["HAS_BIAS"] else None), None, None, None
-
-
-def use_triton(x, B):
-    """The kernels accumulate in fp32: fp64 (the exact tests) stays on the twin, also on a GPU; and
-    tl.dot needs blocks and head dims of at least 16 (powers of two)."""
-    d = x.shape[-1]
-    return (x.is_cuda and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and B >= 16 and d >= 16
-            and B & (B - 1) == 0 and d & (d - 1) == 0)
-
-
-def sparse_attention(q, k, v, bias, sel, q_pos, cfg):
-    """Γ(t) comes as Tiles (None: every causal key). Dispatch: Triton on CUDA tensors, the twin
-    elsewhere. `full` mode (no selection) runs SDPA on CUDA: the queries are the last T of the S
-    positions (a whole sequence, or a prefill's chunk), so the causal mask is the lower-right one,
-    and flash attention applies without a mask tensor."""
-    if not use_triton(q, cfg.B):
-        mask = None if sel is None else sel.mask(triton.cdiv(k.shape[2], cfg.B))
-        return sparse_attention_torch(q, k, v, bias, mask, q_pos, cfg.B)
-    if sel is None:
-        T, S = q.shape[2], k.shape[2]
-        if T < S and not torch.is_grad_enabled():
-            return causal_chunk_flash(q, k, v)
-        causal = causal_lower_right(T, S) if T < S else None
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal, is_causal=T == S, enable_gqa=True)
-    return SparseAttention.apply(q, k, v, bias, sel, q_pos, cfg.B)
-
-
-def causal_chunk_flash(q, k, v):
-    """Full attention of the last T of S positions (a prefill's chunk) by flash attention, whose causal
-    mask is aligned to the last query (lower right) and which reads the H_kv heads of K and V without
-    copying them G times; SDPA's lower-right mask where that kernel does not apply."""
-    try:
-        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, scale=q.shape[-1] ** -0.5)[0]
-    except RuntimeError:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]),
-                                              enable_gqa=True)
+def dense_decode(q, k, v, pos, cfg):
+    """Full attention for one query per sequence: q (Bz, H_q, 1, d) at positions pos (Bz,); k, v
+    (Bz, H_kv, S, d), keys past a sequence's position ignored. The G query heads of a KV head are
+    G rows of one SDPA call, so K and V are read once; no host sync (the mask is made on the
+    device). Kernel: decode_kernels.dense_decode."""
+    if use_kernels(q, cfg):
+        return decode_kernels.dense_decode(q, k, v, pos)
+    Bz, H_q, _, d = q.shape
+    H_kv, S = k.shape[1], k.shape[2]
+    mask = (torch.arange(S, device=q.device) <= pos[:, None])[:, None, None]  # (Bz, 1, 1, S)
+    o = F.scaled_dot_product_attention(q.reshape(Bz, H_kv, H_q // H_kv, d), k, v, attn_mask=mask)
+    return o.reshape(Bz, H_q, 1, d)

@@ -7,6 +7,7 @@ use the Hugging Face Llama format: config.json in HF terms, safetensors in one f
 with model.safetensors.index.json, tokenizer.json. Tensor names are the same in both up to the
 "model." prefix, so one loader reads both.
 """
+
 import json
 import os
 import shutil
@@ -20,10 +21,16 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from config import Config
 from model import Transformer
 
-ROOT = os.path.dirname(os.path.abspath(__file__))  # defaults resolve here, whatever the working directory
+ROOT = os.path.dirname(
+    os.path.abspath(__file__)
+)  # defaults resolve here, whatever the working directory
 EOT = "<|endoftext|>"  # the document separator of train.py's token streams: this format's end of sequence
-ADDED_LATER = {"rope_scaling"}  # Config fields older checkpoints lack; their absence means what they meant then
-DEFAULT_CHECKPOINT = os.path.join(ROOT, "checkpoints", "tiny-nosa")  # the embedded model; train.py never writes it
+ADDED_LATER = {
+    "rope_scaling"
+}  # Config fields older checkpoints lack; their absence means what they meant then
+DEFAULT_CHECKPOINT = os.path.join(
+    ROOT, "checkpoints", "tiny-nosa"
+)  # the embedded model; train.py never writes it
 
 
 def resolve(path):
@@ -54,13 +61,17 @@ def save(model, tokenizer, path, dtype=None, train_state=None, optimizer=None):
     shutil.rmtree(tmp, ignore_errors=True)  # what a killed save left
     os.makedirs(tmp)
     sd = {k: v.detach().to(dtype or v.dtype).contiguous() for k, v in model.state_dict().items()}
-    sd = {k: v.clone() if v.device.type == "cpu" else v.cpu() for k, v in sd.items()}  # fused weights are views
+    sd = {
+        k: v.clone() if v.device.type == "cpu" else v.cpu() for k, v in sd.items()
+    }  # fused weights are views
     if model.cfg.tie_embeddings:
         sd.pop("lm_head.weight")
     save_file(sd, os.path.join(tmp, "model.safetensors"))
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(os.path.join(tmp, "model.safetensors"), 0o666 & ~umask)  # as readable as the files beside it
+    os.chmod(
+        os.path.join(tmp, "model.safetensors"), 0o666 & ~umask
+    )  # as readable as the files beside it
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(model.cfg.to_dict(), f, indent=1)
     tokenizer.save(os.path.join(tmp, "tokenizer.json"))
@@ -74,13 +85,21 @@ def save(model, tokenizer, path, dtype=None, train_state=None, optimizer=None):
         foreign = foreign_files(path)
         if foreign:  # check_out refused it before the run; never delete what is not ours
             shutil.rmtree(tmp, ignore_errors=True)
-            raise FileExistsError(f"{path} holds {foreign[0]}, which is not a checkpoint of ours: not replaced")
+            raise FileExistsError(
+                f"{path} holds {foreign[0]}, which is not a checkpoint of ours: not replaced"
+            )
         os.rename(path, old)
     os.rename(tmp, path)
     shutil.rmtree(old, ignore_errors=True)
 
 
-FILES = ("model.safetensors", "config.json", "tokenizer.json", "train_state.json", "optimizer.pt")  # what save writes
+FILES = (
+    "model.safetensors",
+    "config.json",
+    "tokenizer.json",
+    "train_state.json",
+    "optimizer.pt",
+)  # what save writes
 
 
 def foreign_files(path):
@@ -96,17 +115,21 @@ def check_out(path):
     path = os.path.abspath(path)
     embedded = os.path.join(ROOT, "checkpoints")
     if os.path.commonpath([path, embedded]) == embedded:
-        raise ValueError(f"--out {path}: training never writes into {embedded} (the embedded models); write "
-                         f"elsewhere and copy a model there yourself")
+        raise ValueError(
+            f"--out {path}: training never writes into {embedded} (the embedded models); write "
+            f"elsewhere and copy a model there yourself"
+        )
     recover(path)
     if os.path.isfile(path):
         raise FileExistsError(f"--out {path} is a file; give a directory")
     if os.path.isdir(path):
         foreign = foreign_files(path)
         if foreign:
-            raise FileExistsError(f"--out {path} holds {', '.join(foreign[:3])}{' ...' if len(foreign) > 3 else ''}, "
-                                  f"which is not a checkpoint of ours, and a save replaces the directory whole: "
-                                  f"give a new or empty directory")
+            raise FileExistsError(
+                f"--out {path} holds {', '.join(foreign[:3])}{' ...' if len(foreign) > 3 else ''}, "
+                f"which is not a checkpoint of ours, and a save replaces the directory whole: "
+                f"give a new or empty directory"
+            )
     parent = os.path.dirname(path)
     try:
         os.makedirs(parent, exist_ok=True)
@@ -115,8 +138,9 @@ def check_out(path):
             f.write("probe")
         os.remove(probe)
     except OSError as e:
-        raise PermissionError(f"--out {path}: cannot write in {parent} ({e.strerror}); give a writable "
-                              f"directory") from None
+        raise PermissionError(
+            f"--out {path}: cannot write in {parent} ({e.strerror}); give a writable directory"
+        ) from None
 
 
 def recover(path):
@@ -138,12 +162,24 @@ def rope_from_hf(hf):
     params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
     kind = params.get("rope_type", params.get("type", "default"))
-    need = {"default": (), "linear": ("factor",),
-            "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+    need = {
+        "default": (),
+        "linear": ("factor",),
+        "llama3": (
+            "factor",
+            "low_freq_factor",
+            "high_freq_factor",
+            "original_max_position_embeddings",
+        ),
+    }
     if kind not in need:
-        raise ValueError(f"RoPE scaling rope_type={kind!r} is not implemented (default, linear and llama3 are)")
+        raise ValueError(
+            f"RoPE scaling rope_type={kind!r} is not implemented (default, linear and llama3 are)"
+        )
     if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"partial_rotary_factor={params['partial_rotary_factor']} is not implemented")
+        raise ValueError(
+            f"partial_rotary_factor={params['partial_rotary_factor']} is not implemented"
+        )
     lacking = [key for key in need[kind] if key not in params]
     if lacking:
         raise ValueError(f"RoPE scaling {kind!r} lacks {', '.join(lacking)}")
@@ -155,17 +191,32 @@ def config_from_hf(hf, **overrides):
     """A Hugging Face Llama config.json (dict) -> Config, on the paper's NOSA defaults (docs/METHOD.md §2).
     Keys it leaves out take Hugging Face's documented defaults; anything this model does not
     implement is refused by name rather than silently ignored."""
-    for key, ok in (("attention_bias", lambda v: not v), ("mlp_bias", lambda v: not v),
-                    ("hidden_act", lambda v: v == "silu"), ("model_type", lambda v: v == "llama")):
+    for key, ok in (
+        ("attention_bias", lambda v: not v),
+        ("mlp_bias", lambda v: not v),
+        ("hidden_act", lambda v: v == "silu"),
+        ("model_type", lambda v: v == "llama"),
+    ):
         if key in hf and not ok(hf[key]):
-            raise ValueError(f"{key}={hf[key]!r} is not supported by this Llama implementation (no biases, SwiGLU)")
+            raise ValueError(
+                f"{key}={hf[key]!r} is not supported by this Llama implementation (no biases, SwiGLU)"
+            )
     rope_theta, rope_scaling = rope_from_hf(hf)
     H_q = hf["num_attention_heads"]
-    shape = dict(vocab_size=hf["vocab_size"], n_layer=hf["num_hidden_layers"], dim=hf["hidden_size"], H_q=H_q,
-                 H_kv=hf.get("num_key_value_heads") or H_q, head_dim=hf.get("head_dim") or hf["hidden_size"] // H_q,
-                 hidden_dim=hf["intermediate_size"], max_seq_len=hf.get("max_position_embeddings", 2048),
-                 rope_theta=rope_theta, rope_scaling=rope_scaling, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                 tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+    shape = dict(
+        vocab_size=hf["vocab_size"],
+        n_layer=hf["num_hidden_layers"],
+        dim=hf["hidden_size"],
+        H_q=H_q,
+        H_kv=hf.get("num_key_value_heads") or H_q,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // H_q,
+        hidden_dim=hf["intermediate_size"],
+        max_seq_len=hf.get("max_position_embeddings", 2048),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    )
     return Config.from_preset("paper", **{**shape, **overrides})
 
 
@@ -176,33 +227,45 @@ def load(path, device="cpu", dtype=None, **overrides):
     to do, and comes before any tensor is loaded: nothing is half-loaded."""
     recover(path)
     if os.path.isfile(path):
-        raise FileNotFoundError(f"{path!r} is a file, not a checkpoint directory; give the directory train.py "
-                                f"wrote (e.g. out/tiny-nosa) or a Hugging Face model directory")
+        raise FileNotFoundError(
+            f"{path!r} is a file, not a checkpoint directory; give the directory train.py "
+            f"wrote (e.g. out/tiny-nosa) or a Hugging Face model directory"
+        )
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"no checkpoint directory at {path!r}: train one with `python train.py --out "
-                                f"{path}`, or give the path of an existing one")
+        raise FileNotFoundError(
+            f"no checkpoint directory at {path!r}: train one with `python train.py --out "
+            f"{path}`, or give the path of an existing one"
+        )
     index = os.path.join(path, "model.safetensors.index.json")
     single = os.path.join(path, "model.safetensors")
-    missing = [n for n in ("config.json", "tokenizer.json") if not os.path.isfile(os.path.join(path, n))]
+    missing = [
+        n for n in ("config.json", "tokenizer.json") if not os.path.isfile(os.path.join(path, n))
+    ]
     if not (os.path.isfile(single) or os.path.isfile(index)):
         missing.insert(0, "model.safetensors")
     if missing:
-        raise FileNotFoundError(f"checkpoint {path!r} lacks {', '.join(missing)}: train one with "
-                                f"`python train.py --out {path}`, or give the path of an existing one")
+        raise FileNotFoundError(
+            f"checkpoint {path!r} lacks {', '.join(missing)}: train one with "
+            f"`python train.py --out {path}`, or give the path of an existing one"
+        )
     try:
         with open(os.path.join(path, "config.json")) as f:
             raw = json.load(f)
         if "hidden_size" in raw:  # Hugging Face: documented defaults for the keys it leaves out
             cfg = config_from_hf(raw, **overrides)
         else:  # this project's format writes every field: a missing one is an error, not a default
-            lacking = [f.name for f in fields(Config) if f.name not in raw and f.name not in ADDED_LATER]
+            lacking = [
+                f.name for f in fields(Config) if f.name not in raw and f.name not in ADDED_LATER
+            ]
             if lacking:
                 raise ValueError(f"it lacks {', '.join(map(repr, lacking))}")
             cfg = Config(**{**raw, **overrides})
     except ValueError as e:  # the Config's own checks say what is wrong
         raise ValueError(f"{os.path.join(path, 'config.json')}: {e}") from None
     except (json.JSONDecodeError, UnicodeDecodeError, TypeError, KeyError) as e:
-        raise ValueError(f"{os.path.join(path, 'config.json')} is not a valid NOSA config ({e})") from None
+        raise ValueError(
+            f"{os.path.join(path, 'config.json')} is not a valid NOSA config ({e})"
+        ) from None
     if os.path.isfile(index):
         with open(index) as f:
             weight_map = json.load(f)["weight_map"]  # tensor name -> shard file
@@ -216,49 +279,74 @@ def load(path, device="cpu", dtype=None, **overrides):
                 for name in f.keys():
                     kind = f.get_slice(name).get_dtype()
                     if kind not in ("F16", "BF16", "F32", "F64"):
-                        raise ValueError(f"{os.path.join(path, fname)}: {name} is stored as {kind}; a model's weights "
-                                         f"are floating point: re-export or re-train the checkpoint")
+                        raise ValueError(
+                            f"{os.path.join(path, fname)}: {name} is stored as {kind}; a model's weights "
+                            f"are floating point: re-export or re-train the checkpoint"
+                        )
                     shapes[name.removeprefix("model.")] = tuple(f.get_slice(name).get_shape())
                     where[name.removeprefix("model.")] = (fname, name)
         except (SafetensorError, OSError) as e:
-            raise ValueError(f"{os.path.join(path, fname)} is corrupt or truncated ({e}); re-download or "
-                             f"re-train it") from None
+            raise ValueError(
+                f"{os.path.join(path, fname)} is corrupt or truncated ({e}); re-download or "
+                f"re-train it"
+            ) from None
     with torch.device("meta"):
         model = Transformer(cfg)
-    want = {k: tuple(v.shape) for k, v in model.state_dict().items()
-            if not (cfg.tie_embeddings and k == "lm_head.weight")}
-    if cfg.attn in ("full", "infllmv2"):  # a mode without the eviction head reads a NOSA checkpoint too
+    want = {
+        k: tuple(v.shape)
+        for k, v in model.state_dict().items()
+        if not (cfg.tie_embeddings and k == "lm_head.weight")
+    }
+    if cfg.attn in (
+        "full",
+        "infllmv2",
+    ):  # a mode without the eviction head reads a NOSA checkpoint too
         for key in [k for k in shapes if k.endswith((".self_attn.A", ".self_attn.delta.weight"))]:
             del shapes[key], where[key]
     lacking, extra = sorted(want.keys() - shapes.keys()), sorted(shapes.keys() - want.keys())
     if lacking:
-        hint = (" (not a NOSA checkpoint? load it with attn='infllmv2' or 'full' for training-free decoding)"
-                if lacking[0].endswith((".A", ".delta.weight")) else "")
-        raise ValueError(f"checkpoint {path!r} does not match its config: missing tensor {lacking[0]}"
-                         f"{f' and {len(lacking) - 1} more' if len(lacking) > 1 else ''}{hint}")
+        hint = (
+            " (not a NOSA checkpoint? load it with attn='infllmv2' or 'full' for training-free decoding)"
+            if lacking[0].endswith((".A", ".delta.weight"))
+            else ""
+        )
+        raise ValueError(
+            f"checkpoint {path!r} does not match its config: missing tensor {lacking[0]}"
+            f"{f' and {len(lacking) - 1} more' if len(lacking) > 1 else ''}{hint}"
+        )
     if extra:
-        raise ValueError(f"checkpoint {path!r} does not match its config: unexpected tensor {extra[0]}"
-                         f"{f' and {len(extra) - 1} more' if len(extra) > 1 else ''}")
+        raise ValueError(
+            f"checkpoint {path!r} does not match its config: unexpected tensor {extra[0]}"
+            f"{f' and {len(extra) - 1} more' if len(extra) > 1 else ''}"
+        )
     bad = [k for k in want if want[k] != shapes[k]]
     if bad:
-        raise ValueError(f"checkpoint {path!r}: {bad[0]} has shape {shapes[bad[0]]}, the config needs {want[bad[0]]}")
+        raise ValueError(
+            f"checkpoint {path!r}: {bad[0]} has shape {shapes[bad[0]]}, the config needs {want[bad[0]]}"
+        )
     sd = {}
-    for fname in sorted({f for f, _ in where.values()}):  # one tensor at a time, straight to its device
+    for fname in sorted(
+        {f for f, _ in where.values()}
+    ):  # one tensor at a time, straight to its device
         with safe_open(os.path.join(path, fname), framework="pt", device="cpu") as f:
             for key, (fn, name) in where.items():
                 if fn == fname:
                     t = f.get_tensor(name)
                     sd[key] = t.to(device=device, dtype=dtype or t.dtype)
                     if not torch.isfinite(sd[key]).all():
-                        raise ValueError(f"checkpoint {path!r}: {name} holds NaN or infinite values; the checkpoint "
-                                         f"is damaged (a diverged run?): re-download or re-train it")
+                        raise ValueError(
+                            f"checkpoint {path!r}: {name} holds NaN or infinite values; the checkpoint "
+                            f"is damaged (a diverged run?): re-download or re-train it"
+                        )
     model.load_state_dict(sd, strict=False, assign=True)
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     try:
         tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
     except Exception as e:  # tokenizers raises plain Exception on a bad file
-        raise ValueError(f"{os.path.join(path, 'tokenizer.json')} is not a valid tokenizer ({e})") from None
+        raise ValueError(
+            f"{os.path.join(path, 'tokenizer.json')} is not a valid tokenizer ({e})"
+        ) from None
     # end-of-sequence ids (config.json, generation_config.json: one id or a list), the chat template and
     # the special tokens it refers to (tokenizer_config.json), where the checkpoint has them
     for cfg_file in ("config.json", "generation_config.json"):
@@ -269,8 +357,11 @@ def load(path, device="cpu", dtype=None, **overrides):
         model.eos_ids.add(tokenizer.token_to_id(EOT))
     tok_cfg = read_json(path, "tokenizer_config.json")
     model.chat_template = tok_cfg.get("chat_template")
-    model.special_tokens = {k: v["content"] if isinstance(v, dict) else v for k, v in tok_cfg.items()
-                            if k in ("bos_token", "eos_token") and v}
+    model.special_tokens = {
+        k: v["content"] if isinstance(v, dict) else v
+        for k, v in tok_cfg.items()
+        if k in ("bos_token", "eos_token") and v
+    }
     return model.eval(), tokenizer
 
 

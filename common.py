@@ -1,7 +1,9 @@
 """
-What several files share: the numerics rule for scores, the launch sizes of the kernels and the
-tiles they load, and the scripts' set-up (the device, one-line errors).
+What several files share: the numerics rule for scores, the one rule that picks a kernel or its
+torch twin, what the kernels have in common, and the scripts' set-up (device, one-line errors).
 """
+
+import contextlib
 import sys
 
 import torch
@@ -10,9 +12,47 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 
 def fp32(x):
-    """x in at least fp32 (bf16/fp16 -> fp32; fp64 stays fp64, for the exact tests): scores, bias and
+    """x in at least fp32 (bf16 -> fp32; fp64 stays fp64, for the exact tests): scores, bias and
     softmax are computed in it."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def pow2(n, least=1):
+    return n >= least and n & (n - 1) == 0
+
+
+_forced = None  # set by kernels(on) for a block of code
+
+
+@contextlib.contextmanager
+def kernels(on):
+    """Within the block use_kernels says `on` (where dtype and shapes allow): the tests run the
+    twins on a GPU, as the oracle, and the kernels on a CPU, in the Triton interpreter."""
+    global _forced
+    before, _forced = _forced, on
+    try:
+        yield
+    finally:
+        _forced = before
+
+
+def use_kernels(x, cfg=None):
+    """The one dispatch rule: the Triton (or CUDA) kernel for CUDA tensors, the torch twin elsewhere
+    and in fp64 (the exact tests). With a config, also its shapes: the kernels' tiles need head dims
+    and blocks that are powers of two of at least 16 (tl.dot), and whole sub-blocks per block."""
+    if x.dtype == torch.float64 or not (x.is_cuda if _forced is None else _forced):
+        return False
+    if cfg is None:
+        return True
+    r, p = (
+        cfg.B // cfg.s_c,
+        (cfg.l_c - 1) // cfg.s_c,
+    )  # sub-blocks of a block, and of the one before
+    return pow2(cfg.head_dim, 16) and pow2(cfg.B, 16) and pow2(r) and p <= r
+
+
+# -----------------------------------------------------------------------------
+# What the kernels share
 
 
 def n_sm(x):
@@ -25,27 +65,39 @@ def gp(G):
     return max(16, triton.next_power_of_2(G))
 
 
+def tile_size(G, B):
+    """Query tokens per tile of the parallel forward's kernels: about 64 rows (tokens x the group's
+    heads), within one block, at most 32 (one bit each). Smaller tiles read fewer blocks that no row
+    of them needs."""
+    return max(1, min(B, 32, 64 // triton.next_power_of_2(G)))
+
+
 def tma_descriptor(x, block):
-    """x as tiles of shape `block` for a kernel's desc.load([...]): on Hopper and later each SM's tensor
-    memory accelerator copies a tile to shared memory, with no address arithmetic or masks in
-    registers, and fills what lies past x's ends with zeros. The hardware wants the base and the
-    strides 16-byte aligned and the last dim contiguous: other layouts are copied first."""
+    """x as tiles of shape `block` for a kernel's desc.load([...]): on Hopper each SM's tensor memory
+    accelerator copies a tile to shared memory, with no addresses or masks in registers, and fills
+    what lies past x's ends with zeros. The base and strides must be 16-byte aligned and the last
+    dim contiguous: other layouts are copied first."""
     elt = x.element_size()
     if x.stride(-1) != 1 or x.data_ptr() % 16 or any(s * elt % 16 for s in x.stride()[:-1]):
         x = x.contiguous()
     return TensorDescriptor(x, list(x.shape), list(x.stride()), list(block))
 
 
+# -----------------------------------------------------------------------------
+# The scripts' set-up
+
+
 def pick_device(name=None):
-    """'cuda' when available unless `name` says otherwise; a clear error for a device this torch lacks."""
+    """'cuda' when available unless `name` says otherwise; one line for a device this torch lacks."""
     name = name or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         dev = torch.device(name)
     except RuntimeError:
         raise ValueError(f"--device {name!r}: give cpu, cuda or cuda:N") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: this torch ({torch.__version__}) sees no CUDA device; "
-                         f"use --device cpu")
+        raise ValueError(
+            f"--device {name}: this torch ({torch.__version__}) sees no CUDA device; use --device cpu"
+        )
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"--device {name!r}: give cpu, cuda or cuda:N")
     return dev
@@ -55,14 +107,14 @@ ANTICIPATED = (ValueError, OSError, MemoryError)  # bad input: the message says 
 
 
 def run_cli(main, *args, **kwargs):
-    """Run a script's main(); an anticipated error (bad flag, missing or corrupt checkpoint, a budget
-    that does not fit) is printed as its one-line message, exit code 2 (as for a bad flag). Anything
-    else is a bug and keeps its traceback."""
+    """Run a script's main(); an anticipated error (a bad flag, a missing or corrupt checkpoint, a
+    budget that does not fit) is its one-line message and exit code 2. Anything else is a bug and
+    keeps its traceback."""
     try:
         return main(*args, **kwargs)
     except ANTICIPATED as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt as e:  # Ctrl-C: one line (train.py says where its last checkpoint is)
+    except KeyboardInterrupt as e:  # Ctrl-C: one line (train.py says where its checkpoint is)
         print(f"interrupted{f': {e}' if str(e) else ''}", file=sys.stderr)
         sys.exit(130)

@@ -3,6 +3,7 @@ The one configuration of a model: its Llama-style transformer and its NOSA selec
 The symbols are the paper's (nosa.py's docstring and docs/METHOD.md §2 say what each means); every
 field is checked when a Config is made, so a bad config.json or --set fails in one line, here.
 """
+
 from dataclasses import asdict, dataclass, fields, replace
 
 MODES = ("full", "infllmv2", "dma", "nosa")
@@ -20,7 +21,9 @@ class Config:
     hidden_dim: int = 704  # SwiGLU width
     max_seq_len: int = 4096  # longest sequence (prompt + generation) the model accepts
     rope_theta: float = 10000.0
-    rope_scaling: dict = None  # None, or Llama's long-context RoPE: {"rope_type": "linear" | "llama3", ...}
+    rope_scaling: dict = (
+        None  # None, or Llama's long-context RoPE: {"rope_type": "linear" | "llama3", ...}
+    )
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     # NOSA
@@ -38,14 +41,33 @@ class Config:
             if not ok:
                 raise ValueError(f"invalid NOSA config: {msg}")
 
-        kinds = {int: (int, "an integer"), float: ((int, float), "a number"), bool: (bool, "true or false"),
-                 str: (str, "a string")}
+        kinds = {
+            int: (int, "an integer"),
+            float: ((int, float), "a number"),
+            bool: (bool, "true or false"),
+            str: (str, "a string"),
+        }
         for f in fields(self):  # a config.json may hold 16.5 or "16": say so here, not in a kernel
             want, say = kinds.get(f.type, (object, ""))
             v = getattr(self, f.name)
-            check(isinstance(v, want) and (f.type is bool or not isinstance(v, bool)), f"{f.name}={v!r} must be {say}")
+            check(
+                isinstance(v, want) and (f.type is bool or not isinstance(v, bool)),
+                f"{f.name}={v!r} must be {say}",
+            )
         check(self.attn in MODES, f"attn={self.attn!r}; choose one of {MODES}")
-        sizes = ("n_layer", "dim", "H_q", "H_kv", "head_dim", "hidden_dim", "vocab_size", "B", "l_c", "s_c", "k")
+        sizes = (
+            "n_layer",
+            "dim",
+            "H_q",
+            "H_kv",
+            "head_dim",
+            "hidden_dim",
+            "vocab_size",
+            "B",
+            "l_c",
+            "s_c",
+            "k",
+        )
         bad = [f"{n}={getattr(self, n)}" for n in sizes if getattr(self, n) <= 0]
         check(not bad, f"{', '.join(bad)}: sizes must be positive")
         check(self.H_q % self.H_kv == 0, f"H_q={self.H_q} must be a multiple of H_kv={self.H_kv}")
@@ -53,17 +75,26 @@ class Config:
         check(0 < self.s_c <= self.l_c, f"need 0 < s_c <= l_c (got s_c={self.s_c}, l_c={self.l_c})")
         check(self.B % self.s_c == 0, f"B={self.B} must be a multiple of s_c={self.s_c}")
         check(self.n_sink >= 0 and self.n_win >= 0, "n_sink and n_win must be >= 0")
-        check(self.l_c - self.s_c <= self.n_win * self.B,
-              f"sub-blocks reach l_c - s_c = {self.l_c - self.s_c} tokens past a block; the window "
-              f"(n_win*B = {self.n_win * self.B}) must cover that so block scores are final when chosen")
-        check(1 <= self.k_q <= self.k, f"need 1 <= k_q <= k: the query's own block is one of the k_q "
-                                       f"query-aware blocks (got k_q={self.k_q}, k={self.k})")
-        check(self.k_e >= self.n_sink + self.n_win,
-              f"k_e = k - k_q = {self.k_e} must hold the n_sink + n_win = {self.n_sink + self.n_win} sink and "
-              f"window blocks; raise k or lower k_q, n_win, n_sink")
+        check(
+            self.l_c - self.s_c <= self.n_win * self.B,
+            f"sub-blocks reach l_c - s_c = {self.l_c - self.s_c} tokens past a block; the window "
+            f"(n_win*B = {self.n_win * self.B}) must cover that so block scores are final when chosen",
+        )
+        check(
+            1 <= self.k_q <= self.k,
+            f"need 1 <= k_q <= k: the query's own block is one of the k_q "
+            f"query-aware blocks (got k_q={self.k_q}, k={self.k})",
+        )
+        check(
+            self.k_e >= self.n_sink + self.n_win,
+            f"k_e = k - k_q = {self.k_e} must hold the n_sink + n_win = {self.n_sink + self.n_win} sink and "
+            f"window blocks; raise k or lower k_q, n_win, n_sink",
+        )
         check(self.max_seq_len >= self.B, "max_seq_len must hold at least one block")
-        check(self.rope_scaling is None or self.rope_scaling.get("rope_type") in ("linear", "llama3"),
-              f"rope_scaling={self.rope_scaling!r}: None, or a linear or llama3 scaling")
+        check(
+            self.rope_scaling is None or self.rope_scaling.get("rope_type") in ("linear", "llama3"),
+            f"rope_scaling={self.rope_scaling!r}: None, or a linear or llama3 scaling",
+        )
 
     @property
     def k_e(self):  # query-agnostic budget: sinks, window before the own block, core
@@ -87,7 +118,9 @@ class Config:
 
     @property
     def k_q_free(self):  # picks by Q beyond F(t) in this attention mode
-        return {"nosa": self.k_q - 1, "infllmv2": self.k - self.n_forced, "dma": 0, "full": 0}[self.attn]
+        return {"nosa": self.k_q - 1, "infllmv2": self.k - self.n_forced, "dma": 0, "full": 0}[
+            self.attn
+        ]
 
     @property
     def n_core(self):  # picks by E beyond F(t): the core (nosa: k_e - n_sink - n_win)
@@ -106,11 +139,29 @@ class Config:
 PRESETS = {
     # the paper's defaults (docs/METHOD.md §2); the transformer has a 1B-scale Llama shape with 16 query heads per KV
     # head, as the authors' kernels assume (a checkpoint's config.json overrides the shape).
-    "paper": dict(vocab_size=128256, n_layer=16, dim=2048, H_q=32, H_kv=2, head_dim=64, hidden_dim=8192,
-                  max_seq_len=131072, rope_theta=500000.0, B=64, l_c=32, s_c=16, n_sink=1, n_win=16, k=64, k_q=16),
+    "paper": dict(
+        vocab_size=128256,
+        n_layer=16,
+        dim=2048,
+        H_q=32,
+        H_kv=2,
+        head_dim=64,
+        hidden_dim=8192,
+        max_seq_len=131072,
+        rope_theta=500000.0,
+        B=64,
+        l_c=32,
+        s_c=16,
+        n_sink=1,
+        n_win=16,
+        k=64,
+        k_q=16,
+    ),
     # CPU demo: k*B = 256 tokens, so sparsity is active from the first quarter of a 1024-token
     # training sequence; same ratios as the paper (k_e / k = 0.75).
     "tiny": dict(),
 }
 # the paper's sparsity on an 8B-scale Llama shape (Llama 3 8B's widths; 2 KV heads, as the paper's 8B model)
-PRESETS["paper-8b"] = dict(PRESETS["paper"], n_layer=32, dim=4096, H_q=32, H_kv=2, head_dim=128, hidden_dim=14336)
+PRESETS["paper-8b"] = dict(
+    PRESETS["paper"], n_layer=32, dim=4096, H_q=32, H_kv=2, head_dim=128, hidden_dim=14336
+)

@@ -17,20 +17,22 @@ The eviction policy (docs/METHOD.md §5 has why it holds). E[b] is final once bl
 and candidates only join, so the core changes only at a block boundary, by letting the newcomer
 compete with the members: the weakest is *evicted* for good. `core_blocks` is the core from scratch
 (the definition); `core_list` the short list of the best candidates from scratch; `join_core_list`
-the policy on that list, as decoding runs it a step at a time and the parallel forward a query block
-at a time (block_lists). The tests check that they agree and that an evicted block never comes
-back.
+the policy on that list, which the parallel forward runs a query block at a time (block_lists) and
+decoding a step at a time (join_leaver). The tests check that they agree and that an evicted block
+never comes back. Kernels (eviction_kernels.py): block_lists and join_leaver, one insertion in both.
 """
+
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
+import eviction_kernels
 import pooling
-from common import fp32
+from common import fp32, use_kernels
 
 
-@torch.amp.autocast("cuda", enabled=False)  # scores, bias and softmax stay in fp32 under bf16 autocast
+@torch.amp.autocast(
+    "cuda", enabled=False
+)  # scores, bias and softmax stay in fp32 under bf16 autocast
 def eviction_score(v, A, W_delta):
     """c = A ⊙ softplus(W_δ · concat_h v): v (Bz, H_kv, T, d) -> c (Bz, H_kv, T), in fp32."""
     Bz, H_kv, T, d = v.shape
@@ -58,9 +60,13 @@ def rank_desc(score, valid):
     n = score.shape[-1]
     s = score.masked_fill(~valid, float("-inf")).flip(-1)  # flip: among equals, later block first
     order = torch.sort(s, dim=-1, descending=True, stable=True).indices
-    valid_first = torch.sort((~valid.flip(-1)).gather(-1, order).to(torch.uint8), dim=-1, stable=True).indices
+    valid_first = torch.sort(
+        (~valid.flip(-1)).gather(-1, order).to(torch.uint8), dim=-1, stable=True
+    ).indices
     order = order.gather(-1, valid_first)  # the invalid entries after every valid one
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=score.device).expand_as(order))
+    rank = torch.empty_like(order).scatter_(
+        -1, order, torch.arange(n, device=score.device).expand_as(order)
+    )
     return rank.flip(-1).masked_fill(~valid, n)
 
 
@@ -105,8 +111,13 @@ def best_first(ids, E, n):
     """Order a list of blocks best first, by E and then the more recent block (rank_desc's order),
     empty entries (-1) last, and keep n. ids, E (..., m) -> (ids, E) (..., n)."""
     order = torch.sort(ids, dim=-1, descending=True, stable=True).indices  # recent first; -1 last
-    ids, E = ids.gather(-1, order), E.gather(-1, order).masked_fill(ids.gather(-1, order) < 0, float("-inf"))
-    order = torch.sort(E, dim=-1, descending=True, stable=True).indices[..., :n]  # stable: ties stay recent first
+    ids, E = (
+        ids.gather(-1, order),
+        E.gather(-1, order).masked_fill(ids.gather(-1, order) < 0, float("-inf")),
+    )
+    order = torch.sort(E, dim=-1, descending=True, stable=True).indices[
+        ..., :n
+    ]  # stable: ties stay recent first
     return ids.gather(-1, order), E.gather(-1, order)
 
 
@@ -145,13 +156,18 @@ def block_lists(c_sub, first, last, cfg, carry=None):
     carry: (ids, E, b), the list of query block b <= first that a call for the blocks before left (a
     prefill's earlier chunks); None: from the empty list of block 0.
     Returns the lists (Bz, H_kv, last - first + 1, n) and the carry of block `last`.
-    One Triton kernel on a GPU (block_lists_triton), the loop below elsewhere."""
+    Kernel: eviction_kernels.block_lists."""
     n = cfg.n_core + cfg.k_q_free
     if carry is None:
-        carry = (torch.full((*c_sub.shape[:2], n), -1, dtype=torch.long, device=c_sub.device),
-                 torch.full((*c_sub.shape[:2], n), float("-inf"), dtype=c_sub.dtype, device=c_sub.device), 0)
-    if c_sub.is_cuda and c_sub.dtype == torch.float32:
-        return block_lists_triton(c_sub, first, last, cfg, carry)
+        carry = (
+            torch.full((*c_sub.shape[:2], n), -1, dtype=torch.long, device=c_sub.device),
+            torch.full(
+                (*c_sub.shape[:2], n), float("-inf"), dtype=c_sub.dtype, device=c_sub.device
+            ),
+            0,
+        )
+    if use_kernels(c_sub):
+        return eviction_kernels.block_lists(c_sub, first, last, cfg, carry)
     ids, E, b0 = carry
     lists = [ids] if b0 == first else []
     for b in range(b0 + 1, last + 1):
@@ -168,55 +184,23 @@ def core_picks(ids, taken, n_core, nb):
     ids (..., n) the list, taken (..., n) bool -> a mask over the nb blocks (..., nb)."""
     pick = (ids >= 0) & ~taken
     pick &= pick.cumsum(-1) <= n_core
-    mask = torch.zeros(*ids.shape[:-1], nb + 1, dtype=torch.bool, device=ids.device)  # column nb: a spare
+    mask = torch.zeros(
+        *ids.shape[:-1], nb + 1, dtype=torch.bool, device=ids.device
+    )  # column nb: a spare
     return mask.scatter_(-1, torch.where(pick, ids, nb), True)[..., :nb]
 
 
-# -----------------------------------------------------------------------------
-# Triton kernel
-
-
-@triton.jit
-def _block_lists_kernel(CS, IDS, ES, LISTS, IDS_OUT, ES_OUT, M, b0, first, last, N_SINK: tl.constexpr,
-                        N_WIN: tl.constexpr, R_SUB: tl.constexpr, P_OVER: tl.constexpr, RPP: tl.constexpr,
-                        N: tl.constexpr, NP: tl.constexpr, NJ: tl.constexpr):
-    """One program (one warp) per row (sequence, KV head): from the carried list of query block b0, each
-    query block's list in turn, the block leaving the window joining at its rank (join_core_list,
-    as kvcache._append_kernel runs it for a decode step), stored from block `first` on. The E of NJ
-    joining blocks are loaded at a time, ahead of the loop that inserts them one by one."""
-    r = tl.program_id(0)
-    e, i, jj = tl.arange(0, NP), tl.arange(0, RPP), tl.arange(0, NJ)
-    on = e < N
-    ids = tl.load(IDS + r * N + e, mask=on, other=-1)
-    E = tl.load(ES + r * N + e, mask=on, other=float("-inf"))
-    tl.store(LISTS + (r * (last - first + 1)) * N + e, ids, mask=on & (e * 0 + b0 == first))
-    for b1 in range(b0 + 1, last + 1, NJ):
-        m = (b1 + jj - 1 - N_WIN)[:, None] * R_SUB - P_OVER + i[None, :]  # the sub-blocks of each (block_score)
-        ok = (i < R_SUB + P_OVER)[None, :] & (m >= 0) & (m < M)
-        E_join = tl.max(tl.load(CS + r * M + m, mask=ok, other=float("-inf")), 1)  # (NJ,)
-        for j in range(0, tl.minimum(NJ, last + 1 - b1)):
-            b = b1 + j
-            b_new = b - 1 - N_WIN
-            E_new = tl.max(tl.where(jj == j, E_join, float("-inf")), 0)
-            rank = tl.sum(((ids >= 0) & (E > E_new)).to(tl.int32), 0)  # it wins ties: the most recent
-            up = tl.maximum(e - 1, 0)
-            join = on & ((e * 0 + b_new) >= N_SINK)  # the padding past N stays empty; a vector for the interpreter
-            ids = tl.where(join, tl.where(e == rank, b_new, tl.where(e > rank, tl.gather(ids, up, 0), ids)), ids)
-            E = tl.where(join, tl.where(e == rank, E_new, tl.where(e > rank, tl.gather(E, up, 0), E)), E)
-            tl.store(LISTS + (r * (last - first + 1) + b - first) * N + e, ids, mask=on & (e * 0 + b >= first))
-    tl.store(IDS_OUT + r * N + e, ids, mask=on)
-    tl.store(ES_OUT + r * N + e, E, mask=on)
-
-
-def block_lists_triton(c_sub, first, last, cfg, carry):
-    """The kernel; same arguments and result as block_lists."""
-    ids, E, b0 = carry
-    Bz, H_kv, n = ids.shape
-    r, p = pooling.overlap(cfg)
-    lists = torch.empty(Bz, H_kv, last - first + 1, n, dtype=ids.dtype, device=ids.device)
-    out = torch.empty_like(ids), torch.empty_like(E)
-    _block_lists_kernel[(Bz * H_kv,)](c_sub.contiguous(), ids.contiguous(), E.contiguous(), lists, *out,
-                                      c_sub.shape[-1], b0, first, last, N_SINK=cfg.n_sink, N_WIN=cfg.n_win,
-                                      R_SUB=r, P_OVER=p, RPP=triton.next_power_of_2(r + p), N=n,
-                                      NP=triton.next_power_of_2(n), NJ=32, num_warps=1)
-    return lists, (*out, last)
+def join_leaver(core_ids, core_E, c_sub, pos, cfg):
+    """The eviction policy at a decode step, in place: at a block's first token (pos (Bz,)) the block
+    n_win + 1 back leaves the window and competes with each row's list (join_core_list). Its E is
+    final: the sub-blocks that overlap it are complete (a check of config.Config).
+    core_ids, core_E (Bz, H_kv, n); c̃ (Bz, H_kv, M). Kernel: eviction_kernels.join_leaver."""
+    if use_kernels(c_sub):
+        return eviction_kernels.join_leaver(core_ids, core_E, c_sub, pos, cfg)
+    b_new = pos // cfg.B - cfg.n_win - 1
+    b_new = torch.where((pos % cfg.B == 0) & (b_new >= cfg.n_sink), b_new, -1)
+    b_new = b_new[:, None].expand(-1, cfg.H_kv)
+    E_new = block_score(c_sub, b_new.clamp(min=0), cfg)
+    ids, E = join_core_list(core_ids, core_E, b_new, E_new)
+    core_ids.copy_(ids)
+    core_E.copy_(E)

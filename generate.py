@@ -3,18 +3,19 @@ Generate text with a NOSA model.
 
     python generate.py                       # the embedded tiny model, GPU-resident cache
     python generate.py --offload             # the same, KV cache in host memory (NOSI)
-    python generate.py --checkpoint DIR --prompt "def main(" --batch 4 --max-new-tokens 200
+    python generate.py --checkpoint DIR --prompt "import os" --batch 4 --max-new-tokens 200
 
 Prints the text (a single prompt's as it is generated), then greppable lines: tokens/sec, and with
 --offload the cache hit rate and the bytes moved per step. Sequences end at the checkpoint's
 end-of-sequence token, or after --max-new-tokens.
 """
+
 import argparse
 import contextlib
 import os
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -23,56 +24,13 @@ import common
 import config
 import fast
 import memory
-import offload as nosi  # NOSI, the offloaded cache (`offload` is a flag here)
 from config import Config
 from kvcache import KVCache
 from model import Transformer
+from offload import OffloadCache
+from prefill import prefill
 
-# Long enough (about 400 tokens) that sparse selection and offloading are already at work in the prompt.
-DEFAULT_PROMPT = '''"""A small key-value store that keeps recent entries in memory and the rest on disk."""
-
-import json
-import os
-import threading
-from collections import OrderedDict
-
-
-class Store:
-    """Keep at most `capacity` entries in memory; evict the least recently used to disk."""
-
-    def __init__(self, path, capacity=128):
-        self.path = path
-        self.capacity = capacity
-        self._memory = OrderedDict()
-        self._lock = threading.Lock()
-        os.makedirs(path, exist_ok=True)
-
-    def _file(self, key):
-        return os.path.join(self.path, f"{key}.json")
-
-    def get(self, key, default=None):
-        with self._lock:
-            if key in self._memory:
-                self._memory.move_to_end(key)
-                return self._memory[key]
-        try:
-            with open(self._file(key)) as f:
-                value = json.load(f)
-        except FileNotFoundError:
-            return default
-        self.put(key, value)
-        return value
-
-    def put(self, key, value):
-        with self._lock:
-            self._memory[key] = value
-            self._memory.move_to_end(key)
-            while len(self._memory) > self.capacity:
-                old_key, old_value = self._memory.popitem(last=False)
-                with open(self._file(old_key), "w") as f:
-                    json.dump(old_value, f)
-
-    def delete(self, key):'''
+PROMPT_FILE = os.path.join(checkpoint.ROOT, "prompt.txt")  # about 400 tokens: sparsity at work
 
 
 # -----------------------------------------------------------------------------
@@ -91,34 +49,47 @@ def sample(logits, temperature=0.0, top_k=None):
 
 
 @torch.no_grad()
-def generate(model, prompts, max_new_tokens, temperature=0.0, top_k=None, cache=None, eos_ids=(), on_token=None,
-             chunk=None, on_prefill=None, stream_on_host=False):
+def generate(
+    model,
+    prompts,
+    max_new_tokens,
+    temperature=0.0,
+    top_k=None,
+    cache=None,
+    eos_ids=(),
+    on_token=None,
+    chunk=None,
+    on_prefill=None,
+    stream_on_host=False,
+    micro_batches=1,
+):
     """Prompts: list of token lists (lengths may differ). Returns the new tokens of each. Each prompt
-    is prefilled in turn, `chunk` tokens at a time (model.Transformer.prefill; on_prefill(i, fraction)
-    after each of its layers), then all sequences decode together. A sequence ends at its first token
-    in eos_ids (kept in its output); from then on it costs no transfers (cache.finish), and the loop
-    stops once every sequence has ended. on_token(tok) receives the new tokens (Bz,) of every step."""
+    is prefilled in turn, `chunk` tokens at a time (prefill.prefill; on_prefill(i, fraction) after
+    each of its layers), then all sequences decode together, as one CUDA graph a step on a GPU, in
+    micro-batches if asked (fast.GraphedDecode). A sequence ends at its first token in eos_ids
+    (kept in its output); from then on it costs no transfers (cache.finish), and the loop stops
+    once every sequence has ended. on_token(tok) receives the new tokens (Bz,) of every step."""
     if not prompts or max_new_tokens < 1:
         raise ValueError("give at least one prompt and max_new_tokens >= 1")
     model.check_length(max(len(p) for p in prompts), max_new_tokens)
     if min(len(p) for p in prompts) == 0:
         raise ValueError("empty prompt: give at least one token per sequence")
-    dev = model.embed_tokens.weight.device
+    dev, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
     max_len = max(len(p) for p in prompts) + max_new_tokens
-    cache = cache or KVCache(model.cfg, len(prompts), dev, model.embed_tokens.weight.dtype, max_len)
+    cache = cache or KVCache(model.cfg, len(prompts), dev, dtype, max_len)
     eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=dev)
     tok = torch.empty(len(prompts), dtype=torch.long, device=dev)
     for i, p in enumerate(prompts):
         progress = (lambda f, i=i: on_prefill(i, f)) if on_prefill else None
-        logits = model.prefill(torch.tensor([p], device=dev), cache, i, chunk, progress, stream_on_host,
-                               fast.block_prefill)  # (vocab,)
+        idx = torch.tensor([p], device=dev)
+        logits = prefill(model, idx, cache, i, chunk, progress, stream_on_host)  # (vocab,)
         tok[i] = sample(logits[None], temperature, top_k)[0]
     out, done = [tok.clone()], torch.isin(tok, eos)  # (Bz,) ended
     on_token = on_token or (lambda tok: None)
     on_token(tok)
-    decode = fast.GraphedDecode(model, cache)  # the decode step as a CUDA graph, in micro-batches where it helps
+    decode = fast.GraphedDecode(model, cache, micro_batches)
     for step in range(max_new_tokens - 1):
-        if eos.numel() and step % 8 == 0 and bool(done.all()):  # a host sync, so only every few steps
+        if eos.numel() and step % 8 == 0 and bool(done.all()):  # a host sync: every few steps
             break
         cache.finish(done)
         tok = sample(decode(tok), temperature, top_k)
@@ -127,128 +98,255 @@ def generate(model, prompts, max_new_tokens, temperature=0.0, top_k=None, cache=
         done |= torch.isin(tok, eos)
     rows = torch.stack(out, 1).tolist()
     eos = set(eos_ids)
-    return [r[:next((i + 1 for i, t in enumerate(r) if t in eos), len(r))] for r in rows]
+    return [r[: next((i + 1 for i, t in enumerate(r) if t in eos), len(r))] for r in rows]
 
 
 # -----------------------------------------------------------------------------
 # The script
 
 
-def main(checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, prompt=DEFAULT_PROMPT, max_new_tokens=300, batch=1,
-         temperature=0.8, top_k=50, offload=False, device=None, seed=1337, quiet=False, attn=None, chat=False,
-         profile=None, gpu_budget=None, host_budget=None, random=None, prompt_len=None, chunk=None):
-    """Generate from one prompt or several (a ragged batch); returns the new tokens of each sequence.
-    A single prompt's text is streamed as it is generated (unless quiet); every sequence stops at
-    the checkpoint's end-of-sequence token. chat: wrap each prompt in the checkpoint's chat template.
-    profile: write a trace of the timed generation there (open it in chrome://tracing or Perfetto);
-    the decode step marks its selection, transfer and attention as ranges. gpu_budget, host_budget
-    (GiB): what the weights, the cache and the activations may take (memory.plan_memory), checked
-    before anything is allocated; the GPU's default is its free memory. random: no checkpoint, a
-    randomly initialised model of that preset (config.PRESETS). prompt_len: cycle each prompt's tokens
-    to that length. chunk: the prefill's chunk (default: the largest the budget allows)."""
-    for name, value, least in (("--batch", batch, 1), ("--max-new-tokens", max_new_tokens, 1), ("--top-k", top_k, 0),
-                               ("--temperature", temperature, 0), ("--prompt-len", prompt_len or 1, 1),
-                               ("--chunk", chunk or 1, 1), ("--gpu-budget", gpu_budget or 1, 1e-9),
-                               ("--host-budget", host_budget or 1, 1e-9)):
-        if value < least:
-            raise ValueError(f"{name} {value}: must be at least {least}")
-    device = common.pick_device(device)
-    checkpoint_dir = checkpoint.resolve(checkpoint_dir)  # the working directory's, else the repository's
-    if profile:  # a trace that cannot be written is found now, not after the generation
-        try:
-            open(profile, "a").close()
-        except OSError as e:
-            raise ValueError(f"--profile {profile}: cannot write it ({e.strerror}); give a writable path") from None
-    torch.manual_seed(seed)
-    overrides = {"attn": attn} if attn else {}
+@dataclass
+class Options:
+    """The flags of `python generate.py` (cli says what each does)."""
+
+    checkpoint: str = checkpoint.DEFAULT_CHECKPOINT
+    prompt: object = None  # a text, or a list of texts (a ragged batch); None: prompt.txt
+    max_new_tokens: int = 300
+    batch: int = 1
+    temperature: float = 0.8
+    top_k: int = 50
+    offload: bool = False
+    device: str = None
+    seed: int = 1337
+    quiet: bool = False
+    attn: str = None
+    chat: bool = False
+    profile: str = None
+    gpu_budget: float = None  # GiB
+    host_budget: float = None  # GiB
+    random: str = None
+    prompt_len: int = None
+    chunk: int = None
+    compile: str = "auto"
+    micro_batches: int = None  # None: 2 for an offloaded batch of 16 or more, else 1
+
+    def check(self):
+        """One line for a flag out of range, before any work."""
+        for name, least in (
+            ("batch", 1),
+            ("max_new_tokens", 1),
+            ("top_k", 0),
+            ("temperature", 0),
+            ("prompt_len", 1),
+            ("chunk", 1),
+            ("micro_batches", 1),
+            ("gpu_budget", 1e-9),
+            ("host_budget", 1e-9),
+        ):
+            value = getattr(self, name)
+            if value is not None and value < least:
+                raise ValueError(f"--{name.replace('_', '-')} {value}: must be at least {least}")
+        if self.compile not in ("auto", "on", "off"):
+            raise ValueError(f"--compile {self.compile}: give auto, on or off")
+        if self.profile:  # a trace that cannot be written is found now, not after the generation
+            try:
+                open(self.profile, "a").close()
+            except OSError as e:
+                raise ValueError(
+                    f"--profile {self.profile}: cannot write it ({e.strerror}); give "
+                    f"a writable path"
+                ) from None
+
+
+def main(**flags):
+    """Generate from one prompt or several (a ragged batch); returns the new tokens of each
+    sequence. A single prompt's text is streamed as it is generated (unless quiet). Flags: Options.
+    The memory budgets (memory.plan_memory) are checked before anything is allocated."""
+    o = Options(**flags)
+    o.check()
+    device = common.pick_device(o.device)
+    torch.manual_seed(o.seed)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if random:
-        if random not in config.PRESETS:
-            raise ValueError(f"--random {random}: choose a preset of {sorted(config.PRESETS)}")
-        tokenizer = checkpoint.byte_tokenizer()
-        cfg = Config.from_preset(random, **overrides)
-        model = random_model(cfg, device, dtype)
-    elif checkpoint_dir != checkpoint.DEFAULT_CHECKPOINT or os.path.isdir(checkpoint_dir):
-        model, tokenizer = checkpoint.load(checkpoint_dir, device, dtype, **overrides)
-    else:
-        print(f"no checkpoint at {checkpoint_dir!r}: using a randomly initialised tiny model (expect noise)")
-        tokenizer = checkpoint.byte_tokenizer()
-        model = random_model(Config.from_preset("tiny", vocab_size=tokenizer.get_vocab_size(), **overrides), device,
-                             dtype)
-    prompts = [prompt] if isinstance(prompt, str) else list(prompt)  # several prompts: a ragged batch
-    if chat:
-        if not model.chat_template:
-            raise ValueError(f"--chat: {checkpoint_dir} has no chat template (tokenizer_config.json); drop --chat")
-        prompts = [chat_prompt(model.chat_template, p, model.special_tokens) for p in prompts]
-    ids = [tokenizer.encode(p, add_special_tokens=not chat).ids for p in prompts]  # the template has them
-    if not all(ids):
-        raise ValueError("a prompt is empty after tokenisation; give some text with --prompt")
-    if prompt_len:
-        ids = [(p * (prompt_len // len(p) + 1))[:prompt_len] for p in ids]
-    n_prompts = len(ids)
-    batch = max(batch, n_prompts)
-    P, max_len = max(map(len, ids)), max(map(len, ids)) + max_new_tokens
-    if random:  # any length: the random model has no trained context
+    model, tokenizer = load(o, device, dtype)
+    prompts, ids = encode(o, model, tokenizer)
+    P, max_len = max(map(len, ids)), max(map(len, ids)) + o.max_new_tokens
+    if o.random:  # any length: a random model has no trained context
         model.cfg = replace(model.cfg, max_seq_len=max(model.cfg.max_seq_len, max_len))
-    model.check_length(P, max_new_tokens)  # before any cache is allocated
-    if offload and model.cfg.attn == "full":
-        raise ValueError("--offload needs a sparse attention mode (nosa, infllmv2 or dma); full attention reads "
-                         "every block at every step")
+    model.check_length(P, o.max_new_tokens)  # before any cache is allocated
+    batch = max(o.batch, len(ids))
+    if o.offload and model.cfg.attn == "full":
+        raise ValueError(
+            "--offload needs a sparse attention mode (nosa, infllmv2 or dma); full "
+            "attention reads every block at every step"
+        )
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    gpu = gpu_budget * 2**30 if gpu_budget else (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_allocated(
-        device) if device.type == "cuda" else None)
-    host = host_budget * 2**30 if host_budget else (memory.host_bytes_available() if offload else None)
-    chunk, on_host = memory.plan_memory(model.cfg, weights, batch, P, max_len, dtype, gpu, host, offload, chunk)
-    if offload and (tight := memory.host_warning(memory.cache_bytes(model.cfg, batch, max_len, dtype)[1])):
+    gpu = (
+        o.gpu_budget * 2**30
+        if o.gpu_budget
+        else (
+            torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_allocated(device)
+            if device.type == "cuda"
+            else None
+        )
+    )
+    host = (
+        o.host_budget * 2**30
+        if o.host_budget
+        else (memory.host_bytes_available() if o.offload else None)
+    )
+    chunk, on_host = memory.plan_memory(
+        model.cfg, weights, batch, P, max_len, dtype, gpu, host, o.offload, o.chunk
+    )
+    if o.offload and (
+        tight := memory.host_warning(memory.cache_bytes(model.cfg, batch, max_len, dtype)[1])
+    ):
         print(tight, file=sys.stderr)
-    ids = [ids[i % n_prompts] for i in range(batch)]  # prompts are cycled over the batch
-    fast.prepare(model, batch * max_new_tokens, sum(map(len, ids)))  # fused weights; compiled for long runs
-    if offload:
-        cache = nosi.OffloadCache(model.cfg, batch, device, dtype, max_len=max_len, host_budget=host)
+    ids = [ids[i % len(ids)] for i in range(batch)]  # prompts are cycled over the batch
+    micro = speed_up(o, model, device, batch, ids)
+    if o.offload:
+        cache = OffloadCache(model.cfg, batch, device, dtype, max_len, host_budget=host)
     else:
         cache = KVCache(model.cfg, batch, device, dtype, max_len)
-    if device.type == "cuda":  # warm-up on short prompts: build uva_copy.cu and compile the kernels (prompts of
-        # two lengths, so that torch.compile makes the prefill's graph for any chunk length here, not in the run)
-        generate(model, [p[:64 + i % 2] for i, p in enumerate(ids)], 2, temperature, top_k, cache=cache, chunk=chunk)
+    if device.type == "cuda":  # warm-up: build uva_copy.cu, compile the kernels (prompts of two
+        # lengths, so that torch.compile makes a prefill's graph for any chunk length here)
+        warm = [p[: 64 + i % 2] for i, p in enumerate(ids)]
+        generate(
+            model, warm, 2, o.temperature, o.top_k, cache=cache, chunk=chunk, micro_batches=micro
+        )
         torch.cuda.synchronize()
-        if offload:
+        if o.offload:
             cache.reset_stats()
-    printer = Printer(tokenizer, model.eos_ids) if batch == 1 and not quiet and not prompt_len else None
+    printer = None if batch > 1 or o.quiet or o.prompt_len else Printer(tokenizer, model.eos_ids)
     if printer:
         print(prompts[0], end="", flush=True)
-    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
-        [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])) if profile else None
-    progress = PrefillProgress([len(p) for p in ids], device, quiet)
-    with prof or contextlib.nullcontext():
-        out = generate(model, ids, max_new_tokens, temperature, top_k, cache=cache, eos_ids=model.eos_ids,
-                       on_token=printer, chunk=chunk, on_prefill=progress, stream_on_host=on_host)
+    progress = PrefillProgress([len(p) for p in ids], device, o.quiet)
+    with profiler(o.profile, device) as prof:
+        out = generate(
+            model,
+            ids,
+            o.max_new_tokens,
+            o.temperature,
+            o.top_k,
+            cache,
+            model.eos_ids,
+            printer,
+            chunk,
+            progress,
+            on_host,
+            micro,
+        )
         if device.type == "cuda":
             torch.cuda.synchronize()
         t_end = time.perf_counter()
-    if prof:
-        prof.export_chrome_trace(profile)
     if printer:
         print("\n---")
-    elif not quiet:
+    elif not o.quiet:
         for i, seq in enumerate(out):
-            print(f"--- sample {i} ---\n{prompts[i % n_prompts]}{tokenizer.decode(seq)}")
+            print(f"--- sample {i} ---\n{prompts[i % len(prompts)]}{tokenizer.decode(seq)}")
         print("---")
+    report(o, model, cache, out, ids, progress, t_end, chunk, on_host, weights, gpu, device)
+    if prof:
+        prof.export_chrome_trace(o.profile)
+        print(f"profile: {o.profile} (chrome://tracing or ui.perfetto.dev)")
+    return out
+
+
+def load(o, device, dtype):
+    """The model and tokenizer: the checkpoint's, or a random model of a preset (--random, or where
+    the embedded checkpoint is missing)."""
+    overrides = {"attn": o.attn} if o.attn else {}
+    path = checkpoint.resolve(o.checkpoint)  # the working directory's, else the repository's
+    if o.random:
+        if o.random not in config.PRESETS:
+            raise ValueError(f"--random {o.random}: choose a preset of {sorted(config.PRESETS)}")
+        return random_model(
+            Config.from_preset(o.random, **overrides), device, dtype
+        ), checkpoint.byte_tokenizer()
+    if path != checkpoint.DEFAULT_CHECKPOINT or os.path.isdir(path):
+        return checkpoint.load(path, device, dtype, **overrides)
+    print(f"no checkpoint at {path!r}: using a randomly initialised tiny model (expect noise)")
+    tokenizer = checkpoint.byte_tokenizer()
+    cfg = Config.from_preset("tiny", vocab_size=tokenizer.get_vocab_size(), **overrides)
+    return random_model(cfg, device, dtype), tokenizer
+
+
+def encode(o, model, tokenizer):
+    """The prompts' texts (in the chat template with --chat) and their token ids (cycled to
+    --prompt-len tokens where asked)."""
+    prompts = (
+        [o.prompt] if isinstance(o.prompt, str) else list(o.prompt or [read_prompt(PROMPT_FILE)])
+    )
+    if o.chat:
+        if not model.chat_template:
+            raise ValueError(
+                f"--chat: {o.checkpoint} has no chat template (tokenizer_config.json); drop --chat"
+            )
+        prompts = [chat_prompt(model.chat_template, p, model.special_tokens) for p in prompts]
+    ids = [tokenizer.encode(p, add_special_tokens=not o.chat).ids for p in prompts]
+    if not all(ids):
+        raise ValueError("a prompt is empty after tokenisation; give some text with --prompt")
+    if o.prompt_len:
+        ids = [(p * (o.prompt_len // len(p) + 1))[: o.prompt_len] for p in ids]
+    return prompts, ids
+
+
+def speed_up(o, model, device, batch, ids):
+    """What fast.py applies on a GPU, said in one line: torch.compile of the decode step (auto: when
+    batch x new tokens >= 2048, where its seconds of compiling pay) and of a prefill's chunks (auto:
+    from 2M prompt tokens); micro-batches (auto: 2 for an offloaded batch of 16 or more).
+    Returns the micro-batches."""
+    micro = o.micro_batches or (2 if o.offload and batch >= 16 else 1)
+    if device.type != "cuda":
+        return micro
+    on = o.compile == "on"
+    decode = on or o.compile == "auto" and batch * o.max_new_tokens >= 2048
+    chunks = on or o.compile == "auto" and sum(map(len, ids)) >= 2**21
+    if decode or chunks:
+        fast.compile_model(model, prefill=chunks)
+    if not o.quiet:
+        print(
+            f"speed: compiled decode step {'yes' if decode else 'no'}, compiled prefill "
+            f"{'yes' if chunks else 'no'} (--compile {o.compile}); {micro} micro-batch(es)"
+        )
+    return micro
+
+
+def report(o, model, cache, out, ids, progress, t_end, chunk, on_host, weights, gpu, device):
+    """The greppable lines: prefill, tokens/sec, the offload's statistics, GPU memory."""
+    batch = len(ids)
     pre, ttft = progress.done[-1] - progress.t0, [t - progress.t0 for t in progress.done]
-    n_pre, n_tok = sum(map(len, ids)), sum(map(len, out)) - batch  # the first token of each comes with its prefill
-    print(f"prefill: {n_pre} tokens in {pre:.2f} s ({n_pre / pre:.0f} tokens/s, chunks of {chunk}"
-          f"{', the residual stream in host memory' if on_host else ''}); time to first "
-          f"token {ttft[0]:.2f} s" + (f" (the first prompt), {ttft[-1]:.2f} s (the last)" if batch > 1 else ""))
+    n_pre, n_tok = sum(map(len, ids)), sum(map(len, out)) - batch  # the first comes with prefill
+    print(
+        f"prefill: {n_pre} tokens in {pre:.2f} s ({n_pre / pre:.0f} tokens/s, chunks of {chunk}"
+        f"{', the residual stream in host memory' if on_host else ''}); time to first token "
+        f"{ttft[0]:.2f} s"
+        + (f" (the first prompt), {ttft[-1]:.2f} s (the last)" if batch > 1 else "")
+    )
     dt = max(t_end - progress.done[-1], 1e-9)  # (no decode step with --max-new-tokens 1)
-    print(f"tokens/sec: {n_tok / dt:.1f} ({n_tok} tokens in {dt:.2f} s after the first, batch {batch}, prompts of "
-          f"{min(map(len, ids))}-{P} tokens, {model.cfg.attn}, {device})")
-    if offload:
+    print(
+        f"tokens/sec: {n_tok / dt:.1f} ({n_tok} tokens in {dt:.2f} s after the first, batch "
+        f"{batch}, prompts of {min(map(len, ids))}-{max(map(len, ids))} tokens, "
+        f"{model.cfg.attn}, {device})"
+    )
+    if o.offload:
         print(cache.stats.summary())
     if device.type == "cuda":
-        print(f"GPU memory: {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB at the peak (weights "
-              f"{weights / 2**30:.2f} GiB)" + (f", budget {gpu / 2**30:.2f} GiB" if gpu_budget else ""))
-    if prof:
-        print(f"profile: {profile} (chrome://tracing or ui.perfetto.dev)")
-    return out
+        print(
+            f"GPU memory: {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB at the peak "
+            f"(weights {weights / 2**30:.2f} GiB)"
+            + (f", budget {gpu / 2**30:.2f} GiB" if o.gpu_budget else "")
+        )
+
+
+def profiler(path, device):
+    """A torch.profiler context where a trace is asked for (its ranges: the step's selection,
+    transfer and attention), else a context that does nothing."""
+    if not path:
+        return contextlib.nullcontext()
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=acts)
 
 
 def random_model(cfg, device, dtype):
@@ -285,8 +383,12 @@ class PrefillProgress:
             self.shown = now
             n = sum(self.lens[:i]) + fraction * self.lens[i]
             rate, total = n / (now - self.t0), sum(self.lens)
-            print(f"prefill: {n:.0f} of {total} tokens (prompt {i + 1} of {len(self.lens)}), {rate:.0f} tokens/s, "
-                  f"{(total - n) / rate:.0f} s left", file=sys.stderr, flush=True)
+            print(
+                f"prefill: {n:.0f} of {total} tokens (prompt {i + 1} of {len(self.lens)}), {rate:.0f} tokens/s, "
+                f"{(total - n) / rate:.0f} s left",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 class Printer:
@@ -294,7 +396,13 @@ class Printer:
     characters (a byte-level token may end inside one), and stops at the end of the sequence."""
 
     def __init__(self, tokenizer, eos_ids):
-        self.tokenizer, self.eos_ids, self.ids, self.shown, self.ended = tokenizer, eos_ids, [], 0, False
+        self.tokenizer, self.eos_ids, self.ids, self.shown, self.ended = (
+            tokenizer,
+            eos_ids,
+            [],
+            0,
+            False,
+        )
 
     def __call__(self, tok):
         if self.ended:
@@ -303,7 +411,7 @@ class Printer:
         self.ended = self.ids[-1] in self.eos_ids
         text = self.tokenizer.decode(self.ids)
         if not text.endswith("\ufffd") or self.ended:
-            print(text[self.shown:], end="", flush=True)
+            print(text[self.shown :], end="", flush=True)
             self.shown = len(text)
 
 
@@ -318,8 +426,11 @@ def chat_prompt(template, text, special_tokens):
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
     try:
-        return env.from_string(template).render(messages=[{"role": "user", "content": text}],
-                                                add_generation_prompt=True, **special_tokens)
+        return env.from_string(template).render(
+            messages=[{"role": "user", "content": text}],
+            add_generation_prompt=True,
+            **special_tokens,
+        )
     except TemplateError as e:
         raise ValueError(f"--chat: the checkpoint's chat template fails ({e})") from None
 
@@ -329,48 +440,79 @@ def read_prompt(path):
         with open(path, encoding="utf-8") as f:
             return f.read()
     except UnicodeDecodeError as e:
-        raise ValueError(f"--prompt-file {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        raise ValueError(
+            f"--prompt-file {path}: not UTF-8 text ({e.reason} at byte {e.start})"
+        ) from None
     except OSError as e:
         raise FileNotFoundError(f"--prompt-file {path}: {e.strerror}") from None
 
 
 def cli(argv=None):
     p = argparse.ArgumentParser(description="Generate text with a NOSA model.")
-    p.add_argument("--checkpoint", default=checkpoint.DEFAULT_CHECKPOINT,
-                   help="checkpoint directory (default: the embedded tiny model), e.g. out/tiny-nosa from train.py")
-    p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch of different prompts")
-    p.add_argument("--prompt-file", action="append", help="read a prompt from this file (repeatable)")
-    p.add_argument("--max-new-tokens", type=int, default=300, help="tokens to generate per sequence")
-    p.add_argument("--batch", type=int, default=1, help="sequences generated together (prompts are cycled)")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
-    p.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens (0: all)")
-    p.add_argument("--offload", action="store_true", help="keep the KV cache in host memory (NOSI)")
-    p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--quiet", action="store_true", help="print only the statistics, not the text")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
-    p.add_argument("--profile", metavar="TRACE.json", help="write a profiler trace of the generation")
-    p.add_argument("--attn", choices=config.MODES,
-                   help="override the checkpoint's attention mode (e.g. infllmv2: training-free sparse decoding)")
-    p.add_argument("--gpu-budget", type=float, metavar="GiB",
-                   help="GPU memory for weights, cache and activations (default: what is free)")
-    p.add_argument("--host-budget", type=float, metavar="GiB",
-                   help="host memory for the offloaded KV store (default: what the OS reports available, "
-                        "less a tenth for the process)")
-    p.add_argument("--random", metavar="PRESET",
-                   help="no checkpoint: a randomly initialised model of this preset "
-                        f"({', '.join(sorted(config.PRESETS))}), to try budgets and speed")
-    p.add_argument("--prompt-len", type=int, metavar="N", help="repeat each prompt's tokens to N tokens")
-    p.add_argument("--chunk", type=int, help="prefill chunk in tokens (default: the largest the budget allows)")
-    a = p.parse_args(argv)
+    add = p.add_argument
+    add(
+        "--checkpoint",
+        default=checkpoint.DEFAULT_CHECKPOINT,
+        help="checkpoint directory (default: the embedded tiny model), e.g. out/tiny-nosa",
+    )
+    add("--prompt", action="append", help="prompt text; repeat for a batch of different prompts")
+    add("--prompt-file", action="append", help="read a prompt from this file (repeatable)")
+    add("--max-new-tokens", type=int, default=300, help="tokens to generate per sequence")
+    add("--batch", type=int, default=1, help="sequences generated together (prompts are cycled)")
+    add("--temperature", type=float, default=0.8, help="0 for greedy decoding")
+    add("--top-k", type=int, default=50, help="sample among the k most likely tokens (0: all)")
+    add("--offload", action="store_true", help="keep the KV cache in host memory (NOSI)")
+    add("--device", help="cuda or cpu (default: cuda when available)")
+    add("--seed", type=int, default=1337)
+    add("--quiet", action="store_true", help="print only the statistics, not the text")
+    add("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
+    add("--profile", metavar="TRACE.json", help="write a profiler trace of the generation")
+    add(
+        "--attn",
+        choices=config.MODES,
+        help="override the checkpoint's attention mode (infllmv2: training-free sparse decoding)",
+    )
+    add(
+        "--gpu-budget",
+        type=float,
+        metavar="GiB",
+        help="GPU memory for weights, cache and activations (default: what is free)",
+    )
+    add(
+        "--host-budget",
+        type=float,
+        metavar="GiB",
+        help="host memory for the offloaded KV store (default: what the OS reports available, "
+        "less a tenth for the process)",
+    )
+    add(
+        "--random",
+        metavar="PRESET",
+        help="no checkpoint: a randomly initialised model of this "
+        f"preset ({', '.join(sorted(config.PRESETS))}), to try budgets and speed",
+    )
+    add("--prompt-len", type=int, metavar="N", help="repeat each prompt's tokens to N tokens")
+    add("--chunk", type=int, help="prefill chunk in tokens (default: the largest that fits)")
+    add(
+        "--compile",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="GPU: torch.compile the decode step and a prefill's chunks (auto: where it pays)",
+    )
+    add(
+        "--micro-batches",
+        type=int,
+        help="GPU, offloaded: decode the batch in this many parts, "
+        "one's transfers under the other's compute (default: 2 from a batch of 16)",
+    )
+    a = vars(p.parse_args(argv))
+    files = a.pop("prompt_file") or []
 
     def run():
-        if common.pick_device(a.device).type == "cpu":  # decoding a small model is a chain of small ops: one
-            torch.set_num_threads(1)  # thread is as fast as two, and does not collapse when the cores are busy
-        prompt = (a.prompt or []) + [read_prompt(f) for f in a.prompt_file or []] or DEFAULT_PROMPT
-        return main(a.checkpoint, prompt, a.max_new_tokens, a.batch, a.temperature, a.top_k, a.offload, a.device,
-                    a.seed, a.quiet, a.attn, a.chat, a.profile, a.gpu_budget, a.host_budget, a.random, a.prompt_len,
-                    a.chunk)
+        if common.pick_device(a["device"]).type == "cpu":  # decoding a small model is a chain of
+            torch.set_num_threads(1)  # small ops: one thread is as fast as two, and steadier
+        a["prompt"] = (a["prompt"] or []) + [read_prompt(f) for f in files] or None
+        return main(**a)
 
     return common.run_cli(run)
 

@@ -10,11 +10,12 @@ the GPU (tests/test_generate.py).
   decode_bytes    a decode step's activations
   plan_memory     all of it against the budgets: the chunk, and where the prompt's residual stream waits
 """
+
 import math
 
 import torch
 
-import nosa
+import nosa_kernels
 
 
 def cache_bytes(cfg, Bz, max_len, dtype, offload=True):
@@ -26,17 +27,49 @@ def cache_bytes(cfg, Bz, max_len, dtype, offload=True):
     L, H, B, d, k = cfg.n_layer, cfg.H_kv, cfg.B, cfg.head_dim, cfg.k
     elt = torch.empty((), dtype=dtype).element_size()
     unit = 2 * B * d * elt  # one block of K and V
-    side = L * Bz * H * ((max_len * 4 if cfg.eviction_head else 0) +
-                         ((max_len // cfg.s_c + 1) * (d * elt + 4) if cfg.sparse else 0))
+    side = (
+        L
+        * Bz
+        * H
+        * (
+            (max_len * 4 if cfg.eviction_head else 0)
+            + ((max_len // cfg.s_c + 1) * (d * elt + 4) if cfg.sparse else 0)
+        )
+    )
     if not offload:
         return L * Bz * H * max_len * 2 * d * elt + side, 0
     return L * Bz * H * (k + 1) * unit + side, L * Bz * H * math.ceil(max_len / B) * unit
 
 
+def check_offload(cfg, Bz, max_len, dtype, device, gpu_budget=None, host_budget=None):
+    """An offloaded cache (offload.OffloadCache) against the budgets, before anything is allocated:
+    the host store against host_budget (default: what host_bytes_available says), the GPU's part
+    against gpu_budget (default: the device's free memory). A MemoryError that says what to lower."""
+    need_gpu, need_host = cache_bytes(cfg, Bz, max_len, dtype)
+    host_budget = host_budget or host_bytes_available()
+    if gpu_budget is None and torch.device(device).type == "cuda":
+        gpu_budget = torch.cuda.mem_get_info(device)[0]
+    if host_budget is not None and need_host > host_budget:
+        raise MemoryError(
+            f"the host KV store needs {gib(need_host)} for batch {Bz} x {max_len} tokens, "
+            f"but {gib(host_budget)} is available: lower the batch or the length"
+        )
+    if gpu_budget is not None and need_gpu > gpu_budget:
+        raise MemoryError(
+            f"the GPU slot pool needs {gib(need_gpu)} for batch {Bz} (k={cfg.k} slots per row "
+            f"and layer), but the budget is {gib(gpu_budget)}: lower the batch"
+        )
+
+
 def max_batch(cfg, max_len, dtype, gpu_budget, host_budget=None, offload=True, limit=4096):
     """The largest batch whose cache fits both budgets (0 if none does)."""
-    fits = lambda n: all(need <= budget for need, budget in zip(cache_bytes(cfg, n, max_len, dtype, offload),
-                                                                 (gpu_budget, host_budget)) if budget is not None)
+    fits = lambda n: all(
+        need <= budget
+        for need, budget in zip(
+            cache_bytes(cfg, n, max_len, dtype, offload), (gpu_budget, host_budget)
+        )
+        if budget is not None
+    )
     lo, hi = 0, limit
     while lo < hi:  # binary search: the cache grows with the batch
         mid = (lo + hi + 1) // 2
@@ -44,7 +77,14 @@ def max_batch(cfg, max_len, dtype, gpu_budget, host_budget=None, offload=True, l
     return lo
 
 
-PREFILL_CHUNKS = (8192, 4096, 2048, 1024, 512, 256)  # the chunk sizes a prefill may take, largest first
+PREFILL_CHUNKS = (
+    8192,
+    4096,
+    2048,
+    1024,
+    512,
+    256,
+)  # the chunk sizes a prefill may take, largest first
 
 
 def prefill_bytes(cfg, T, C, dtype, stream_on_host=False):
@@ -58,13 +98,21 @@ def prefill_bytes(cfg, T, C, dtype, stream_on_host=False):
     H, H_q, d, dim = cfg.H_kv, cfg.H_q, cfg.head_dim, cfg.dim
     elt, C = torch.empty((), dtype=dtype).element_size(), min(C, T)
     nb = math.ceil(T / cfg.B)
-    whole = (0 if stream_on_host else T * dim * elt) + 2 * H * T * (2 * d * elt + 4) + H * (T // cfg.s_c + 1) * (
-        d * elt + 4) + T * d * 4  # and RoPE's cos and sin (T, d/2) in fp32
+    whole = (
+        (0 if stream_on_host else T * dim * elt)
+        + 2 * H * T * (2 * d * elt + 4)
+        + H * (T // cfg.s_c + 1) * (d * elt + 4)
+        + T * d * 4
+    )  # and RoPE's cos and sin (T, d/2) in fp32
     # q, k, v; the selection as tiles (attention.Tiles: at most k block ids and bits a query, int32)
     live = 2 * (H_q + 2 * H) * d * elt + 4 * dim * elt + (H * 8 * cfg.k if cfg.sparse else 0)
-    select = min(C, nosa.select_rows(nb)) * H * nb * 20 if cfg.sparse else 0  # the scores Q and their parts, fp32
+    select = (
+        min(C, nosa_kernels.select_rows(nb)) * H * nb * 20 if cfg.sparse else 0
+    )  # the scores Q and their parts, fp32
     peak = max(16 * H_q * d, 4 * cfg.hidden_dim * elt + dim * (8 + 2 * elt)) * C
-    ahead = C * dim * elt if stream_on_host else 0  # the next chunk of the stream, on its way (kvcache.ResidualStream)
+    ahead = (
+        C * dim * elt if stream_on_host else 0
+    )  # the next chunk of the stream, on its way (kvcache.ResidualStream)
     return whole + C * live + ahead + max(select, peak) + 2**27  # and 128 MiB for workspaces
 
 
@@ -72,8 +120,17 @@ def decode_bytes(cfg, Bz, max_len, dtype):
     """GPU bytes a decode step needs beyond the weights and the cache, its activations (a bound
     checked against the step's measured peak on the GPU): per sequence the scores of the compressed
     keys and of the blocks, the logits, the MLP; two micro-batches' worth, and 512 MiB besides."""
-    elt, M, nb = torch.empty((), dtype=dtype).element_size(), max_len // cfg.s_c + 1, math.ceil(max_len / cfg.B)
-    per_seq = cfg.H_kv * (16 * M * 4 + nb * 16) + cfg.vocab_size * 8 + 4 * cfg.hidden_dim * elt + 8 * cfg.dim * 4
+    elt, M, nb = (
+        torch.empty((), dtype=dtype).element_size(),
+        max_len // cfg.s_c + 1,
+        math.ceil(max_len / cfg.B),
+    )
+    per_seq = (
+        cfg.H_kv * (16 * M * 4 + nb * 16)
+        + cfg.vocab_size * 8
+        + 4 * cfg.hidden_dim * elt
+        + 8 * cfg.dim * 4
+    )
     return 2**29 + 2 * Bz * per_seq
 
 
@@ -81,8 +138,18 @@ def gib(n):
     return f"{n / 2**30:.2f} GiB"
 
 
-def plan_memory(cfg, weights, Bz, prompt_len, max_len, dtype, gpu_budget=None, host_budget=None, offload=True,
-                chunk=None):
+def plan_memory(
+    cfg,
+    weights,
+    Bz,
+    prompt_len,
+    max_len,
+    dtype,
+    gpu_budget=None,
+    host_budget=None,
+    offload=True,
+    chunk=None,
+):
     """Check a generation against the memory budgets before anything is allocated: the weights, the
     cache of Bz sequences of up to max_len tokens (cache_bytes), and the larger of a prefill's working
     memory (prompts of up to prompt_len tokens) and a decode step's. Returns the prefill's chunk
@@ -92,10 +159,12 @@ def plan_memory(cfg, weights, Bz, prompt_len, max_len, dtype, gpu_budget=None, h
     need_gpu, need_host = cache_bytes(cfg, Bz, max_len, dtype, offload)
     if host_budget is not None and need_host > host_budget:
         n = max_batch(cfg, max_len, dtype, None, host_budget, offload)
-        raise MemoryError(f"the host KV store needs {gib(need_host)} for batch {Bz} x {max_len} tokens, but "
-                          f"{gib(host_budget)} is available: at most {n} sequences of that length fit (the "
-                          f"default budget leaves a tenth of the free memory to the process; a larger one may "
-                          f"hold more)")
+        raise MemoryError(
+            f"the host KV store needs {gib(need_host)} for batch {Bz} x {max_len} tokens, but "
+            f"{gib(host_budget)} is available: at most {n} sequences of that length fit (the "
+            f"default budget leaves a tenth of the free memory to the process; a larger one may "
+            f"hold more)"
+        )
     chunks = [chunk] if chunk else [c for c in PREFILL_CHUNKS if c < prompt_len] or [prompt_len]
     if gpu_budget is None:
         return chunks[0], False
@@ -107,14 +176,21 @@ def plan_memory(cfg, weights, Bz, prompt_len, max_len, dtype, gpu_budget=None, h
                     return c, on_host
     least = prefill_bytes(cfg, prompt_len, min(chunks), dtype, True)
     n = 0
-    while n < Bz and weights + cache_bytes(cfg, n + 1, max_len, dtype, offload)[0] + max(
-            least, decode_bytes(cfg, n + 1, max_len, dtype)) <= gpu_budget:
+    while (
+        n < Bz
+        and weights
+        + cache_bytes(cfg, n + 1, max_len, dtype, offload)[0]
+        + max(least, decode_bytes(cfg, n + 1, max_len, dtype))
+        <= gpu_budget
+    ):
         n += 1
-    raise MemoryError(f"a GPU budget of {gib(gpu_budget)} does not fit: the weights take {gib(weights)}, the cache of "
-                      f"batch {Bz} x {max_len} tokens {gib(need_gpu)}, which leaves {gib(room)} where a prefill of "
-                      f"{prompt_len} tokens needs {gib(least)} (chunks of {min(chunks)}) and a decode step "
-                      f"{gib(decode_bytes(cfg, Bz, max_len, dtype))}: "
-                      + (f"at most {n} sequences fit" if n else "not even one sequence fits; raise the budget"))
+    raise MemoryError(
+        f"a GPU budget of {gib(gpu_budget)} does not fit: the weights take {gib(weights)}, the cache of "
+        f"batch {Bz} x {max_len} tokens {gib(need_gpu)}, which leaves {gib(room)} where a prefill of "
+        f"{prompt_len} tokens needs {gib(least)} (chunks of {min(chunks)}) and a decode step "
+        f"{gib(decode_bytes(cfg, Bz, max_len, dtype))}: "
+        + (f"at most {n} sequences fit" if n else "not even one sequence fits; raise the budget")
+    )
 
 
 def mem_available():
@@ -133,7 +209,9 @@ def host_bytes_available():
     return None if avail is None else avail - min(max(avail // 10, 4 * 2**30), avail // 2)
 
 
-HOST_LEFT = 6 * 2**30  # host memory a run should leave the process and the OS beside the pinned store
+HOST_LEFT = (
+    6 * 2**30
+)  # host memory a run should leave the process and the OS beside the pinned store
 
 
 def host_warning(need_host):
@@ -144,6 +222,8 @@ def host_warning(need_host):
     avail = mem_available()
     if avail is None or avail - need_host >= HOST_LEFT:
         return None
-    return (f"warning: the host KV store takes {gib(need_host)} of the {gib(avail)} available, which leaves "
-            f"{gib(avail - need_host)} to this process and the OS; below {gib(HOST_LEFT)} runs slow down: a "
-            f"smaller --host-budget or batch avoids it")
+    return (
+        f"warning: the host KV store takes {gib(need_host)} of the {gib(avail)} available, which leaves "
+        f"{gib(avail - need_host)} to this process and the OS; below {gib(HOST_LEFT)} runs slow down: a "
+        f"smaller --host-budget or batch avoids it"
+    )

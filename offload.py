@@ -15,104 +15,160 @@ tail block, the one being written.
                                   as do the pooled caches K̃ and c̃ that scoring reads (kvcache.SubBlockCache)
 
 Per decode step and layer (nosa.nosa_decode calls append, then attend):
-  1. append     write k, v into the tail, c into its cache, update K̃ / c̃
-  2. select     Γ(t), exactly as in training (nosa.select_blocks)
+  1. append     write k, v into the tail, c into its cache (write_tail), update K̃, c̃ and the list
+  2. select     Γ(t), exactly as in training (nosa.select)
   3. set_difference   the selected non-tail blocks against the resident ones: free the slots of
                 blocks no longer selected, give each missed block a free slot; on the device, no sync
-  4. gather     the missed units from the host store into their slots (transfer.py, uva_copy.cu)
-  5. attention  over the slots and the tail, with the bias
-  6. when the tail block is full: write it to the host store, and keep it in a free slot (there is
-     always one: at most k - 1 non-tail blocks are selected), so the window needs no transfer.
-By the locality theorem (nosa.py) step 4 moves at most k_q - 1 units per row and step. On a GPU the
-list of needed blocks is one Triton kernel (needed_blocks) and the counters one compiled function
-(count_moves).
+  4. gather     the missed units from the host store into their slots (UVA: a kernel reads pinned
+                host memory through its device pointer)
+  5. attention  over the slots and the tail, with the bias (attention.slot_attention)
+  6. flush      when the tail block is full: write it to the host store, and keep it in a free slot,
+                so the window needs no transfer.
+By the locality theorem (nosa.py) step 4 moves at most k_q - 1 units per row and step.
+Kernels: offload_kernels.py and uva_copy.cu.
 """
+
 import copy
 import math
 import weakref
 
 import torch
-import triton
-import triton.language as tl
 from torch.profiler import record_function
 
-import decode
+import attention
 import eviction
-import fast
-import transfer
+import memory
+import offload_kernels
+from common import use_kernels
 from kvcache import Cache, SubBlockCache, grow
-from memory import cache_bytes, host_bytes_available
 
 
 def needed_blocks(sel, pos, active, H_kv, B, k):
     """What a step needs from the slot pool: sel (R, nb) the selected blocks of every row, pos (Bz,),
     active (Bz,). Returns the ascending ids of the selected blocks other than the tail, -1 padded,
     (R, k) (at most k - 1 of them), and their number (R,). Ended sequences need nothing.
-    One Triton kernel on a GPU, the torch code (fused) elsewhere."""
-    if sel.is_cuda:
-        return needed_blocks_triton(sel, pos, active, H_kv, B, k)
-    return needed_blocks_torch(sel, pos, active, H_kv, B, k)
-
-
-@fast.fused
-def needed_blocks_torch(sel, pos, active, H_kv, B, k):
+    Kernel: offload_kernels.needed_blocks."""
+    if use_kernels(sel):
+        return offload_kernels.needed_blocks(sel, pos, active, H_kv, B, k)
     R, nb = sel.shape
     q_blk = (pos // B).repeat_interleave(H_kv)[:, None]  # (R, 1)
     b = torch.arange(nb, device=sel.device)
-    need = sel & (b != q_blk) & active.repeat_interleave(H_kv)[:, None]  # the tail is always on the device
-    col = torch.where(need, need.cumsum(1) - 1, k)  # the i-th needed block goes to column i; k is a spare
-    ids = torch.full((R, k + 1), -1, dtype=torch.long, device=sel.device).scatter_(1, col, torch.where(need, b, -1))
+    need = (
+        sel & (b != q_blk) & active.repeat_interleave(H_kv)[:, None]
+    )  # the tail is always on the device
+    col = torch.where(
+        need, need.cumsum(1) - 1, k
+    )  # the i-th needed block goes to column i; k is a spare
+    ids = torch.full((R, k + 1), -1, dtype=torch.long, device=sel.device).scatter_(
+        1, col, torch.where(need, b, -1)
+    )
     return ids[:, :k].contiguous(), need.sum(1)
 
 
-@triton.jit
-def _needed_blocks_kernel(SEL, POS, ACTIVE, IDS, N_NEED, nb, H_kv: tl.constexpr, B: tl.constexpr, K: tl.constexpr,
-                          NBP: tl.constexpr, KP: tl.constexpr):
-    """One program per row: the i-th selected non-tail block (a prefix sum over the row) to column i."""
-    r = tl.program_id(0)
-    b = tl.arange(0, NBP)
-    seq_on = tl.load(ACTIVE + r // H_kv + b * 0) != 0  # a vector (the interpreter's masks must be)
-    need = (tl.load(SEL + r * nb + b, mask=b < nb, other=0) != 0) & (b != tl.load(POS + r // H_kv) // B) & seq_on
-    col = tl.cumsum(need.to(tl.int32), 0) - 1
-    tl.store(IDS + r * K + col, b.to(tl.int64), mask=need & (col < K))
-    n = tl.sum(need.to(tl.int32), 0)
-    j = tl.arange(0, KP)
-    tl.store(IDS + r * K + j, tl.full([KP], -1, tl.int64), mask=(j >= n) & (j < K))
-    tl.store(N_NEED + r, n.to(tl.int64))
-
-
-def needed_blocks_triton(sel, pos, active, H_kv, B, k):
-    R, nb = sel.shape
-    ids = torch.empty(R, k, dtype=torch.long, device=sel.device)
-    n_need = torch.empty(R, dtype=torch.long, device=sel.device)
-    _needed_blocks_kernel[(R,)](sel.contiguous().view(torch.uint8), pos.contiguous(), active.view(torch.uint8), ids,
-                                n_need, nb, H_kv=H_kv, B=B, K=k, NBP=triton.next_power_of_2(nb),
-                                KP=triton.next_power_of_2(k))
-    return ids, n_need
-
-
-@fast.fused
 def write_tail(pool, c_all, k, v, c, pos, B):
     """The new token into the tail blocks (the pool's last slot), in place: pool (R, k + 1, 2, B, d),
-    c_all (Bz, H_kv, S); k, v (Bz, H_kv, d), c (Bz, H_kv) or None at positions pos (Bz,)."""
+    c_all (Bz, H_kv, S); k, v (Bz, H_kv, d), c (Bz, H_kv) or None at positions pos (Bz,).
+    Kernel: offload_kernels.write_tail."""
+    if use_kernels(k):
+        return offload_kernels.write_tail(pool, c_all, k, v, c, pos, B)
     Bz, H_kv, d = k.shape
     rows, slot = torch.arange(Bz * H_kv, device=k.device), (pos % B).repeat_interleave(H_kv)  # (R,)
     tail = torch.full_like(rows, pool.shape[1] - 1)
     kv = torch.stack([k.reshape(-1, d), v.reshape(-1, d)], 1)  # (R, 2, d)
-    # one index_put_ on the pool itself: compiled, it writes in place (through a view it copies the pool)
-    pool.index_put_((rows[:, None], tail[:, None], torch.arange(2, device=k.device), slot[:, None]), kv)
+    pool.index_put_(
+        (rows[:, None], tail[:, None], torch.arange(2, device=k.device), slot[:, None]), kv
+    )
     if c is not None:
         c_all[torch.arange(Bz, device=k.device), :, pos] = c
+
+
+# -----------------------------------------------------------------------------
+# Transfers between the host store and the slot pool
+
+
+def set_difference(need, slot_block, block_slot, fetch):
+    """need (R, n <= k) ascending block ids, -1 padded; updates
+    the tables slot_block (R, k) and block_slot (R, cap) in place; writes fetch (R, k): the block each
+    slot must load, or -1. The i-th missed block (ascending) takes the i-th free slot (ascending).
+    Written without a host sync (scatters into a spare last column instead of nonzero()), so on a
+    GPU without nvcc it runs inside a CUDA graph too. Kernel: uva_copy.cu's set_difference."""
+    if use_kernels(need) and offload_kernels.uva(need.device):
+        return offload_kernels.uva(need.device).set_difference(need, slot_block, block_slot, fetch)
+    R, k = slot_block.shape
+    cap = block_slot.shape[1]
+    pad = lambda t, n: t.masked_fill(t < 0, n)  # -1 -> the spare column n
+    # 1. evict: resident blocks that are not needed any more free their slots
+    needed = torch.zeros(R, cap + 1, dtype=torch.bool, device=need.device).scatter_(
+        1, pad(need, cap), True
+    )
+    keep = (slot_block >= 0) & needed.gather(1, pad(slot_block, cap))  # (R, k)
+    slot_block.masked_fill_(~keep, -1)
+    # 2. misses, in ascending block order, take the free slots in ascending slot order
+    resident = torch.zeros(R, cap + 1, dtype=torch.bool, device=need.device).scatter_(
+        1, pad(slot_block, cap), True
+    )
+    miss = (need >= 0) & ~resident.gather(1, pad(need, cap))  # (R, n)
+    free_first = torch.sort((slot_block >= 0).to(torch.uint8), dim=1, stable=True).indices  # (R, k)
+    slot = torch.where(
+        miss, free_first.gather(1, (miss.cumsum(1) - 1).clamp(min=0)), k
+    )  # (R, n), k = spare
+    new = torch.full((R, k + 1), -1, dtype=need.dtype, device=need.device)
+    new = new.scatter_(1, slot, torch.where(miss, need, -1))
+    fetch.copy_(new[:, :k])
+    slot_block.copy_(torch.where(fetch >= 0, fetch, slot_block))
+    # 3. block -> slot, rebuilt from slot -> block
+    table = torch.full((R, cap + 1), -1, dtype=block_slot.dtype, device=need.device)
+    table.scatter_(
+        1, pad(slot_block, cap), torch.arange(k, device=need.device).expand(R, k).contiguous()
+    )
+    block_slot.copy_(table[:, :cap])
+
+
+def flush_tails(host, pool, slot_block, block_slot, pos, H_kv, B):
+    """pos (Bz,) the position just written; a row whose tail block (pool slot k) is now full writes
+    it to host[r, pos // B] and copies it into its first free slot (there is always one: at most
+    k - 1 other blocks are selected). Kernel: uva_copy.cu's flush_tails (Triton without nvcc)."""
+    if use_kernels(pool) and host.is_pinned():
+        return offload_kernels.flush_tails(host, pool, slot_block, block_slot, pos, H_kv, B)
+    k = slot_block.shape[1]
+    p = pos.repeat_interleave(H_kv)  # (R,)
+    r = torch.nonzero(p % B == B - 1)[:, 0]  # a device sync: the kernel needs none
+    if r.numel() == 0:
+        return
+    b = p[r] // B
+    tail = pool[r, k]
+    host[r.to(host.device), b.to(host.device)] = tail.to(host.device)
+    free = torch.argmax((slot_block[r] < 0).to(torch.uint8), 1)  # first free slot: there is one
+    pool[r, free] = tail
+    slot_block[r, free] = b
+    block_slot[r, b] = free
+
+
+def gather_units(host, pool, fetch):
+    """pool[r, s] = host[r, fetch[r, s]] where fetch >= 0: the missed blocks from the host store
+    into their slots. Kernel: uva_copy.cu's gather_units (Triton without nvcc)."""
+    if use_kernels(pool) and host.is_pinned():
+        return offload_kernels.gather_units(host, pool, fetch)
+    f = fetch.to(host.device)
+    r, s = torch.nonzero(f >= 0, as_tuple=True)
+    if r.numel():
+        pool[r.to(pool.device), s.to(pool.device)] = host[r, f[r, s]].to(
+            pool.device, non_blocking=True
+        )
 
 
 # -----------------------------------------------------------------------------
 # Statistics
 
 
-@fast.fused
 def count_moves(fetch, n_need, fresh, needed, moved, cold, steps, row_max):
     """Stats of one layer's step, in place, per row: fetch (R, k) the blocks gathered, n_need (R,)
-    the blocks selected, fresh (R,) rows at their first step after prefill (cleared here)."""
+    the blocks selected, fresh (R,) rows at their first step after prefill (cleared here).
+    Kernel: offload_kernels.count_moves."""
+    if use_kernels(fetch):
+        return offload_kernels.count_moves(
+            fetch, n_need, fresh, needed, moved, cold, steps, row_max
+        )
     n_moved = (fetch >= 0).sum(1)  # (R,)
     needed += torch.where(fresh, 0, n_need)
     moved += torch.where(fresh, 0, n_moved)
@@ -132,10 +188,15 @@ class Stats:
     def __init__(self, n_layer, R, unit_bytes, device):
         self.unit_bytes = unit_bytes
         new = lambda: torch.zeros(n_layer, R, dtype=torch.long, device=device)
-        self.needed, self.moved = new(), new()  # selected non-tail blocks; of those, gathered from host
+        self.needed, self.moved = (
+            new(),
+            new(),
+        )  # selected non-tail blocks; of those, gathered from host
         self.cold = new()  # gathered at a row's first step
         self.stepped = new()  # steps after the first
-        self.row_max = torch.zeros(R, dtype=torch.long, device=device)  # most one row gathered in one step
+        self.row_max = torch.zeros(
+            R, dtype=torch.long, device=device
+        )  # most one row gathered in one step
 
     def rows(self, a, b):
         """The counters of rows a..b-1 (views: they count into these)."""
@@ -154,10 +215,12 @@ class Stats:
         needed, moved = self.needed.sum().item(), self.moved.sum().item()
         per_layer = (1 - self.moved.sum(1) / self.needed.sum(1).clamp(min=1)).tolist()
         steps = max(self.steps, 1)
-        return (f"hit rate: {100 * (1 - moved / max(needed, 1)):.1f}% (per layer: "
-                f"{' '.join(f'{100 * h:.1f}' for h in per_layer)}) | blocks moved per step: {moved / steps:.1f} | "
-                f"bytes moved per step: {moved * self.unit_bytes / steps / 1e6:.3f} MB | most blocks one row "
-                f"moved in a step: {self.row_max.max().item()} | after prefill: {self.cold.sum().item()} blocks")
+        return (
+            f"hit rate: {100 * (1 - moved / max(needed, 1)):.1f}% (per layer: "
+            f"{' '.join(f'{100 * h:.1f}' for h in per_layer)}) | blocks moved per step: {moved / steps:.1f} | "
+            f"bytes moved per step: {moved * self.unit_bytes / steps / 1e6:.3f} MB | most blocks one row "
+            f"moved in a step: {self.row_max.max().item()} | after prefill: {self.cold.sum().item()} blocks"
+        )
 
 
 # -----------------------------------------------------------------------------
@@ -174,8 +237,10 @@ def pinned_empty(shape, dtype):
         cudart = torch.cuda.cudart()
         err = cudart.cudaHostRegister(t.data_ptr(), nbytes, 3)  # portable | mapped
         if int(err) != 0:
-            raise MemoryError(f"could not pin {nbytes / 2**30:.2f} GiB of host memory for the KV store ({err}); "
-                              f"lower the batch or the length, or pass a smaller host budget")
+            raise MemoryError(
+                f"could not pin {nbytes / 2**30:.2f} GiB of host memory for the KV store ({err}); "
+                f"lower the batch or the length, or pass a smaller host budget"
+            )
         weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
     return t
 
@@ -193,41 +258,49 @@ class OffloadCache(Cache):
 
     def __init__(self, cfg, Bz, device, dtype, max_len=None, gpu_budget=None, host_budget=None):
         if cfg.attn == "full":
-            raise ValueError("--offload needs a sparse attention mode (nosa, infllmv2 or dma); full attention "
-                             "reads every block at every step")
+            raise ValueError(
+                "--offload needs a sparse attention mode (nosa, infllmv2 or dma); full attention "
+                "reads every block at every step"
+            )
         self.cfg, self.device, self.Bz = cfg, torch.device(device), Bz
         L, H, B, d, k = cfg.n_layer, cfg.H_kv, cfg.B, cfg.head_dim, cfg.k
         R, elt = Bz * H, torch.empty((), dtype=dtype).element_size()
         self.max_len = max_len = max_len or cfg.max_seq_len
         cap = math.ceil(max_len / B)
         unit = 2 * B * d * elt
-        need_gpu, need_host = cache_bytes(cfg, Bz, max_len, dtype)  # both budgets, before allocating anything
-        host_budget = host_budget or host_bytes_available()
-        if gpu_budget is None and self.device.type == "cuda":
-            gpu_budget = torch.cuda.mem_get_info(self.device)[0]
-        if host_budget is not None and need_host > host_budget:
-            raise MemoryError(f"the host KV store needs {need_host / 2**30:.2f} GiB for batch {Bz} x {max_len} tokens, "
-                              f"but {host_budget / 2**30:.2f} GiB is available: lower the batch or the length")
-        if gpu_budget is not None and need_gpu > gpu_budget:
-            raise MemoryError(f"the GPU slot pool needs {need_gpu / 2**30:.2f} GiB for batch {Bz} (k={k} slots of "
-                              f"{unit / 1024:.0f} KiB per row and layer), but the budget is {gpu_budget / 2**30:.2f} "
-                              f"GiB: lower the batch")
+        memory.check_offload(cfg, Bz, max_len, dtype, self.device, gpu_budget, host_budget)
         super().__init__(Bz, device)
         self.pin = self.device.type == "cuda"
-        self.writes = torch.cuda.Stream(self.device) if self.pin else None  # a prefill's copies to the store
+        self.writes = (
+            torch.cuda.Stream(self.device) if self.pin else None
+        )  # a prefill's copies to the store
         self.host = [self._host_alloc(R, cap, dtype) for _ in range(L)]
         self.pool = [torch.zeros(R, k + 1, 2, B, d, dtype=dtype, device=device) for _ in range(L)]
         self.tail = [p[:, k] for p in self.pool]  # the last slot holds the tail block
-        self.slot_block = [torch.full((R, k), -1, dtype=torch.long, device=device) for _ in range(L)]
-        self.block_slot = [torch.full((R, cap), -1, dtype=torch.long, device=device) for _ in range(L)]
+        self.slot_block = [
+            torch.full((R, k), -1, dtype=torch.long, device=device) for _ in range(L)
+        ]
+        self.block_slot = [
+            torch.full((R, cap), -1, dtype=torch.long, device=device) for _ in range(L)
+        ]
         self.fetch = [torch.full((R, k), -1, dtype=torch.long, device=device) for _ in range(L)]
-        self.fresh = [torch.zeros(R, dtype=torch.bool, device=device) for _ in range(L)]  # prefilled, not decoded
-        self.active = torch.ones(Bz, dtype=torch.bool, device=device)  # sequences that have not ended
+        self.fresh = [
+            torch.zeros(R, dtype=torch.bool, device=device) for _ in range(L)
+        ]  # prefilled, not decoded
+        self.active = torch.ones(
+            Bz, dtype=torch.bool, device=device
+        )  # sequences that have not ended
         cdt = torch.promote_types(dtype, torch.float32)
-        self.c = [torch.zeros(Bz, H, max_len if cfg.eviction_head else 0, dtype=cdt, device=device) for _ in range(L)]
+        self.c = [
+            torch.zeros(Bz, H, max_len if cfg.eviction_head else 0, dtype=cdt, device=device)
+            for _ in range(L)
+        ]
         self.sub = SubBlockCache(cfg, Bz, device, dtype, max_len)
         self.stats = Stats(L, R, unit, device)
-        self.part, self.pcie = False, None  # micro-batches (split): views; the stream of their gathers
+        self.part, self.pcie = (
+            False,
+            None,
+        )  # micro-batches (split): views; the stream of their gathers
 
     def _host_alloc(self, R, cap, dtype):
         cfg = self.cfg
@@ -256,17 +329,25 @@ class OffloadCache(Cache):
         cfg, T = self.cfg, k.shape[1]
         n_full, r = T // cfg.B, slice(seq * cfg.H_kv, (seq + 1) * cfg.H_kv)  # its rows
         self._ensure_blocks(layer, n_full + 1)
-        whole = [x[:, :n_full * cfg.B].reshape(cfg.H_kv, n_full, cfg.B, cfg.head_dim) for x in (k, v)]
+        whole = [
+            x[:, : n_full * cfg.B].reshape(cfg.H_kv, n_full, cfg.B, cfg.head_dim) for x in (k, v)
+        ]
         blocks = torch.stack(whole, 2)  # (H_kv, n_full, 2, B, d): the store's layout
-        if self.pin:  # to the pinned store on a stream of its own: the next layer computes meanwhile
+        if (
+            self.pin
+        ):  # to the pinned store on a stream of its own: the next layer computes meanwhile
             self.writes.wait_stream(torch.cuda.current_stream(self.device))
             blocks.record_stream(self.writes)  # its memory is not reused before the copies are done
         with torch.cuda.stream(self.writes):  # (None: the current stream)
             for h in range(cfg.H_kv):  # one contiguous copy each
                 self.host[layer][r.start + h, :n_full].copy_(blocks[h], non_blocking=self.pin)
-        if self.pin and layer == cfg.n_layer - 1:  # what reads the store on the device comes after every copy
+        if (
+            self.pin and layer == cfg.n_layer - 1
+        ):  # what reads the store on the device comes after every copy
             torch.cuda.current_stream(self.device).wait_stream(self.writes)
-        self.tail[layer][r, :, :T - n_full * cfg.B] = torch.stack([k[:, n_full * cfg.B:], v[:, n_full * cfg.B:]], 1)
+        self.tail[layer][r, :, : T - n_full * cfg.B] = torch.stack(
+            [k[:, n_full * cfg.B :], v[:, n_full * cfg.B :]], 1
+        )
         self.slot_block[layer][r] = -1
         self.block_slot[layer][r] = -1
         self.fresh[layer][r] = True
@@ -278,7 +359,9 @@ class OffloadCache(Cache):
             self.set_length(seq, T)
 
     def reset_stats(self):  # count from here on (generate.py: after its warm-up)
-        self.stats = Stats(self.cfg.n_layer, self.Bz * self.cfg.H_kv, self.stats.unit_bytes, self.device)
+        self.stats = Stats(
+            self.cfg.n_layer, self.Bz * self.cfg.H_kv, self.stats.unit_bytes, self.device
+        )
 
     def finish(self, done):
         """done (Bz,): sequences that ended. Their rows stop selecting blocks, so they move nothing."""
@@ -295,12 +378,22 @@ class OffloadCache(Cache):
         for seqs in torch.arange(self.Bz).tensor_split(n):
             a, b = int(seqs[0]), int(seqs[-1]) + 1
             part = copy.copy(self)
-            part.Bz, part.len, part.len_cpu, part.active = b - a, self.len[a:b], self.len_cpu[a:b], self.active[a:b]
+            part.Bz, part.len, part.len_cpu, part.active = (
+                b - a,
+                self.len[a:b],
+                self.len_cpu[a:b],
+                self.active[a:b],
+            )
             for name in self.ROWS:
-                setattr(part, name, [t[a * H:b * H] for t in getattr(self, name)])
+                setattr(part, name, [t[a * H : b * H] for t in getattr(self, name)])
             for name in self.SEQS:
                 setattr(part, name, [t[a:b] for t in getattr(self, name)])
-            part.sub, part.stats, part.part, part.pcie = self.sub.rows(a, b), self.stats.rows(a * H, b * H), True, pcie
+            part.sub, part.stats, part.part, part.pcie = (
+                self.sub.rows(a, b),
+                self.stats.rows(a * H, b * H),
+                True,
+                pcie,
+            )
             parts.append(part)
         return parts
 
@@ -315,8 +408,10 @@ class OffloadCache(Cache):
         cfg, pos = self.cfg, self.len
         max_pos = int(self.len_cpu.max())
         if self.part and max_pos >= self.max_len:
-            raise ValueError(f"position {max_pos} is past the max_len={self.max_len} a micro-batch (split) was made "
-                             "for: its buffers are views and cannot grow; size max_len to the whole job")
+            raise ValueError(
+                f"position {max_pos} is past the max_len={self.max_len} a micro-batch (split) was made "
+                "for: its buffers are views and cannot grow; size max_len to the whole job"
+            )
         self._ensure_blocks(layer, max_pos // cfg.B + 1)
         if c is not None:
             self.c[layer] = grow(self.c[layer], max_pos + 1, 2)
@@ -327,24 +422,39 @@ class OffloadCache(Cache):
         """q (Bz, H_q, 1, d) at positions self.len; block_mask (Bz, H_kv, 1, nb) = Γ(t)."""
         cfg, Bz = self.cfg, self.Bz
         R, k, B = Bz * cfg.H_kv, cfg.k, cfg.B
+        host, pool, slot_block, fetch = (
+            self.host[layer],
+            self.pool[layer],
+            self.slot_block[layer],
+            self.fetch[layer],
+        )
         with record_function("transfer"):
-            need_ids, n_need = needed_blocks(block_mask.reshape(R, -1), self.len, self.active, cfg.H_kv, B, k)
-            transfer.set_difference(need_ids, self.slot_block[layer], self.block_slot[layer], self.fetch[layer])
+            need_ids, n_need = needed_blocks(
+                block_mask.reshape(R, -1), self.len, self.active, cfg.H_kv, B, k
+            )
+            set_difference(need_ids, slot_block, self.block_slot[layer], fetch)
             s = self.stats
-            count_moves(self.fetch[layer], n_need, self.fresh[layer], s.needed[layer], s.moved[layer], s.cold[layer],
-                        s.stepped[layer], s.row_max)
+            count_moves(
+                fetch,
+                n_need,
+                self.fresh[layer],
+                s.needed[layer],
+                s.moved[layer],
+                s.cold[layer],
+                s.stepped[layer],
+                s.row_max,
+            )
             if self.pcie is None:
-                transfer.gather_units(self.host[layer], self.pool[layer], self.fetch[layer])
+                gather_units(host, pool, fetch)
             else:  # micro-batches: the parts' gathers take turns on PCIe (split)
                 here = torch.cuda.current_stream()
                 self.pcie.wait_stream(here)
                 with torch.cuda.stream(self.pcie):
-                    transfer.gather_units(self.host[layer], self.pool[layer], self.fetch[layer])
+                    gather_units(host, pool, fetch)
                 here.wait_stream(self.pcie)
         with record_function("attention"):
             bias = eviction.attention_bias(self.c[layer], cfg.attn) if cfg.eviction_head else None
-            o = decode.slot_attention(q, self.pool[layer], self.slot_block[layer], bias, self.len, B)
+            o = attention.slot_attention(q, pool, slot_block, bias, self.len, cfg)
         with record_function("transfer"):
-            transfer.flush_tails(self.host[layer], self.pool[layer], self.slot_block[layer], self.block_slot[layer],
-                                 self.len, cfg.H_kv, B)
+            flush_tails(host, pool, slot_block, self.block_slot[layer], self.len, cfg.H_kv, B)
         return o

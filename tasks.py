@@ -18,6 +18,7 @@ before the question, so that the answer's block lies where the test puts it: pas
 sinks once the distance exceeds (n_win + 1)·B. Everything is drawn from a numpy generator, so a seed
 fixes the task.
 """
+
 import numpy as np
 
 KINDS = ("passkey", "needle", "chain")
@@ -41,13 +42,21 @@ def task_pieces(kind, rng):
         keys = [f"KEY_{''.join(n)}_{i}" for i, n in enumerate(names)]
         values = [int(v) for v in rng.integers(10, 1000, size=4)]
         asked = int(rng.integers(0, 4))
-        order = [asked] + [i for i in range(4) if i != asked]  # the asked fact first: the farthest back
+        order = [asked] + [
+            i for i in range(4) if i != asked
+        ]  # the asked fact first: the farthest back
         facts = [f"\nassert {keys[i]} == {values[i]}\n" for i in order]
         return facts, f"\nassert {keys[asked]} ==", f" {values[asked]}\n"
     if kind == "chain":
-        a, b, c = (f"{x}{rng.integers(0, 100)}" for x in rng.choice(list("uvwxyz"), size=3, replace=False))
+        a, b, c = (
+            f"{x}{rng.integers(0, 100)}" for x in rng.choice(list("uvwxyz"), size=3, replace=False)
+        )
         value = int(rng.integers(0, 100))
-        return [f"\n{a} = {value}\n", f"\n{b} = {a}\n", f"\n{c} = {b}\n"], f"\nassert {c} ==", f" {value}\n"
+        return (
+            [f"\n{a} = {value}\n", f"\n{b} = {a}\n", f"\n{c} = {b}\n"],
+            f"\nassert {c} ==",
+            f" {value}\n",
+        )
     raise ValueError(f"unknown task {kind!r}; choose one of {KINDS}")
 
 
@@ -61,10 +70,14 @@ def make_task(kind, tok, filler, length, distance, rng):
     n_fact = sum(map(len, facts))
     distance = int(min(max(distance, n_fact + len(q)), length - len(a)))
     gap = distance - n_fact - len(q)  # filler tokens between the first fact and the question
-    cuts = np.sort(rng.integers(0, gap + 1, size=len(facts) - 1)) if len(facts) > 1 else np.zeros(0, int)
+    cuts = (
+        np.sort(rng.integers(0, gap + 1, size=len(facts) - 1))
+        if len(facts) > 1
+        else np.zeros(0, int)
+    )
     spans = np.diff(np.concatenate([[0], cuts, [gap]]))  # filler after each fact
     start = int(rng.integers(0, len(filler) - length))
-    pool = iter(filler[start:start + length])
+    pool = iter(filler[start : start + length])
     before = length - len(a) - distance
     ids = [next(pool) for _ in range(before)]
     fact_at = len(ids)

@@ -17,6 +17,7 @@ Benchmarks, run on the GPU machine; every figure is a ratio against a limit meas
 One file per benchmark; the timing helpers and the machine's limits are here. Record results with
 their command in BENCHMARKS.md.
 """
+
 import os
 import statistics
 import time

@@ -1,10 +1,13 @@
 """python -m bench WHAT from the repository, or python PATH/TO/bench WHAT from anywhere: see bench/__init__.py."""
+
 import argparse
 import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository's modules
+sys.path.insert(
+    0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+)  # the repository's modules
 
 import torch  # noqa: E402
 
@@ -15,31 +18,53 @@ from bench import requests as requests_
 from bench import throughput as throughput_
 
 
-def main(what, json_path=None, ckpts=os.path.join(checkpoint.ROOT, "out"), trained=False,
-         checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, judge=None, gen_len=1024, systems=None, cases=200,
-         distances=None, **throughput):
+def main(
+    what,
+    json_path=None,
+    ckpts=os.path.join(checkpoint.ROOT, "out"),
+    trained=False,
+    checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT,
+    judge=None,
+    gen_len=1024,
+    systems=None,
+    cases=200,
+    distances=None,
+    **throughput,
+):
     if what == "quality":
         rows = quality.bench_quality(ckpts, systems or tuple(quality.SYSTEMS), judge, gen_len)
     elif what == "eviction":
         rows = eviction.bench_eviction(checkpoint_dir)
     elif what == "recall":
-        rows = recall.bench_recall(ckpts, systems or tuple(quality.SYSTEMS), distances or recall.DISTANCES, n=cases,
-                                   json_path=json_path)
+        rows = recall.bench_recall(
+            ckpts,
+            systems or tuple(quality.SYSTEMS),
+            distances or recall.DISTANCES,
+            n=cases,
+            json_path=json_path,
+        )
     elif what == "head":
         rows = recall.bench_head(checkpoint_dir)
     elif what == "plot":
         rows = plot.main()
     elif what == "requests":
-        rows = requests_.bench_requests(**throughput, systems=systems or ("nosa-offload", "full", "infllmv2-offload"))
+        rows = requests_.bench_requests(
+            **throughput, systems=systems or ("nosa-offload", "full", "infllmv2-offload")
+        )
     elif what == "throughput":
-        rows = throughput_.bench_throughput(**throughput, systems=systems or throughput_.SYSTEMS,
-                                            ckpts=ckpts if trained else None)
+        rows = throughput_.bench_throughput(
+            **throughput, systems=systems or throughput_.SYSTEMS, ckpts=ckpts if trained else None
+        )
     else:
         if not torch.cuda.is_available():
             raise ValueError(f"bench {what} measures the GPU machine: no CUDA device here")
         print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__}")
-        rows = dict(gather=gather.bench_gather, prefill=kernels.bench_prefill, decode=kernels.bench_decode,
-                    sdpa=kernels.bench_sdpa)[what]()
+        rows = dict(
+            gather=gather.bench_gather,
+            prefill=kernels.bench_prefill,
+            decode=kernels.bench_decode,
+            sdpa=kernels.bench_sdpa,
+        )[what]()
     if json_path:
         with open(json_path, "w") as f:
             json.dump(rows, f, indent=1)
@@ -56,48 +81,134 @@ def positive_ints(text):
     except ValueError:
         values = ()
     if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give positive whole numbers separated by commas, e.g. 128,256")
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give positive whole numbers separated by commas, e.g. 128,256"
+        )
     return values
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(prog="python -m bench", description="NOSA / NOSI benchmarks (GPU)")
-    p.add_argument("what", choices=["gather", "prefill", "decode", "sdpa", "quality", "eviction", "throughput",
-                                    "requests", "plot", "recall", "head"],
-                   help="which benchmark")
+    p.add_argument(
+        "what",
+        choices=[
+            "gather",
+            "prefill",
+            "decode",
+            "sdpa",
+            "quality",
+            "eviction",
+            "throughput",
+            "requests",
+            "plot",
+            "recall",
+            "head",
+        ],
+        help="which benchmark",
+    )
     p.add_argument("--json", help="also write the rows to this file")
-    p.add_argument("--ckpts", default=os.path.join(checkpoint.ROOT, "out"),
-                   help="quality, throughput --trained: where train.py wrote tiny-nosa/, tiny-full/, ... "
-                        "(default: out/)")
-    p.add_argument("--checkpoint", default=checkpoint.DEFAULT_CHECKPOINT,
-                   help="eviction, head: the model to diagnose (default: the embedded one)")
-    p.add_argument("--shape", default="tiny", choices=sorted(throughput_.SHAPES), help="throughput: model shape")
-    p.add_argument("--prompt-len", type=int, default=4096, help="throughput: context before decoding")
+    p.add_argument(
+        "--ckpts",
+        default=os.path.join(checkpoint.ROOT, "out"),
+        help="quality, throughput --trained: where train.py wrote tiny-nosa/, tiny-full/, ... "
+        "(default: out/)",
+    )
+    p.add_argument(
+        "--checkpoint",
+        default=checkpoint.DEFAULT_CHECKPOINT,
+        help="eviction, head: the model to diagnose (default: the embedded one)",
+    )
+    p.add_argument(
+        "--shape",
+        default="tiny",
+        choices=sorted(throughput_.SHAPES),
+        help="throughput: model shape",
+    )
+    p.add_argument(
+        "--prompt-len", type=int, default=4096, help="throughput: context before decoding"
+    )
     p.add_argument("--budget-gb", type=float, default=24.0, help="throughput: GPU memory budget")
     p.add_argument("--steps", type=int, default=256, help="throughput: timed decode steps")
-    p.add_argument("--host-gb", type=float, help="throughput: host memory budget (default: what is available)")
-    p.add_argument("--max-batch", type=int, default=256,
-                   help="throughput: no system runs a larger batch than this (e.g. 1: every system at batch 1)")
-    p.add_argument("--micro-batches", default="2",
-                   help="throughput: offloading systems once per count, e.g. 1,2 (parts decoded side by side)")
-    p.add_argument("--trained", action="store_true", help="throughput: the trained models in --ckpts, real prompts")
-    p.add_argument("--systems", help=f"throughput: some of {','.join(throughput_.SYSTEMS)} (default: all); "
-                                     f"quality: some of {','.join(quality.SYSTEMS)} (default: all)")
-    p.add_argument("--new-tokens", default="1024,8192", help="requests: tokens generated per request, e.g. 1024,8192")
+    p.add_argument(
+        "--host-gb", type=float, help="throughput: host memory budget (default: what is available)"
+    )
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=256,
+        help="throughput: no system runs a larger batch than this (e.g. 1: every system at batch 1)",
+    )
+    p.add_argument(
+        "--micro-batches",
+        default="2",
+        help="throughput: offloading systems once per count, e.g. 1,2 (parts decoded side by side)",
+    )
+    p.add_argument(
+        "--trained",
+        action="store_true",
+        help="throughput: the trained models in --ckpts, real prompts",
+    )
+    p.add_argument(
+        "--systems",
+        help=f"throughput: some of {','.join(throughput_.SYSTEMS)} (default: all); "
+        f"quality: some of {','.join(quality.SYSTEMS)} (default: all)",
+    )
+    p.add_argument(
+        "--new-tokens",
+        default="1024,8192",
+        help="requests: tokens generated per request, e.g. 1024,8192",
+    )
     p.add_argument("--requests", type=int, default=28, help="requests: how many")
     p.add_argument("--cases", type=int, default=200, help="recall: tasks per distance bin")
-    p.add_argument("--distances", type=positive_ints,
-                   help="recall: the distance bins in tokens, e.g. 128,256,512 (default: 128 ... 4000)")
-    p.add_argument("--judge", help="quality: the model that scores the generations (default: CKPTS/tiny-full)")
-    p.add_argument("--gen-len", type=int, default=1024, help="quality: tokens generated (and teacher-forced window)")
+    p.add_argument(
+        "--distances",
+        type=positive_ints,
+        help="recall: the distance bins in tokens, e.g. 128,256,512 (default: 128 ... 4000)",
+    )
+    p.add_argument(
+        "--judge", help="quality: the model that scores the generations (default: CKPTS/tiny-full)"
+    )
+    p.add_argument(
+        "--gen-len",
+        type=int,
+        default=1024,
+        help="quality: tokens generated (and teacher-forced window)",
+    )
     a = p.parse_args()
-    kw = dict(shape=a.shape, prompt_len=a.prompt_len, budget_gb=a.budget_gb, steps=a.steps, host_gb=a.host_gb,
-              batch_limit=a.max_batch,
-              trained=a.trained, micro_batches=tuple(int(m) for m in a.micro_batches.split(","))
-              ) if a.what == "throughput" else {}
+    kw = (
+        dict(
+            shape=a.shape,
+            prompt_len=a.prompt_len,
+            budget_gb=a.budget_gb,
+            steps=a.steps,
+            host_gb=a.host_gb,
+            batch_limit=a.max_batch,
+            trained=a.trained,
+            micro_batches=tuple(int(m) for m in a.micro_batches.split(",")),
+        )
+        if a.what == "throughput"
+        else {}
+    )
     if a.what == "requests":
-        kw = dict(shape=a.shape, prompt_len=a.prompt_len, budget_gb=a.budget_gb, steps=a.steps, host_gb=a.host_gb,
-                  requests=a.requests, new_tokens=tuple(int(g) for g in a.new_tokens.split(",")))
-    common.run_cli(main, a.what, a.json, a.ckpts, checkpoint_dir=a.checkpoint, judge=a.judge, gen_len=a.gen_len,
-                       cases=a.cases, distances=a.distances,
-                       systems=a.systems.split(",") if a.systems else None, **kw)
+        kw = dict(
+            shape=a.shape,
+            prompt_len=a.prompt_len,
+            budget_gb=a.budget_gb,
+            steps=a.steps,
+            host_gb=a.host_gb,
+            requests=a.requests,
+            new_tokens=tuple(int(g) for g in a.new_tokens.split(",")),
+        )
+    common.run_cli(
+        main,
+        a.what,
+        a.json,
+        a.ckpts,
+        checkpoint_dir=a.checkpoint,
+        judge=a.judge,
+        gen_len=a.gen_len,
+        cases=a.cases,
+        distances=a.distances,
+        systems=a.systems.split(",") if a.systems else None,
+        **kw,
+    )

@@ -4,6 +4,7 @@ over the candidate blocks (causal, neither sink nor window) that falls in the n_
 by E (the core), against as many blocks chosen by recency (those just before the window) and at
 random. Attention is the model's own, computed densely over every causal token (with its bias),
 so the measure asks which blocks a sparse selection should have kept."""
+
 import math
 
 import torch
@@ -31,7 +32,9 @@ def block_mass(q, k, c, cfg, t0):
     if c is not None:
         logits = logits + eviction.attention_bias(c[0].float(), cfg.attn)[:, None, None, :]
     causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()[t0:]
-    p = torch.softmax(logits.masked_fill(~causal, float("-inf")), -1).mean(1)  # (H_kv, T', S) over the group
+    p = torch.softmax(logits.masked_fill(~causal, float("-inf")), -1).mean(
+        1
+    )  # (H_kv, T', S) over the group
     nb = pooling.n_blocks(T, cfg)
     return torch.nn.functional.pad(p, (0, nb * B - T)).view(H_kv, T - t0, nb, B).sum(-1)
 
@@ -48,33 +51,51 @@ def layer_shares(q, k, c, cfg, t0, generator):
     q_blk = (pos // cfg.B)[:, None]
     cand = (b >= cfg.n_sink) & (b < q_blk - cfg.n_win)  # (T', nb)
     n = cfg.n_core
-    E = (eviction.eviction_block_scores(pooling.pool_mean(c[0].float(), cfg), nb, cfg) if c is not None
-         else torch.zeros(H_kv, nb, device=dev))
+    E = (
+        eviction.eviction_block_scores(pooling.pool_mean(c[0].float(), cfg), nb, cfg)
+        if c is not None
+        else torch.zeros(H_kv, nb, device=dev)
+    )
     by_e = eviction.core_blocks(E[:, None, :].expand(H_kv, len(pos), nb), cand, n)
     by_recency = cand & (b >= q_blk - cfg.n_win - n)
-    noise = torch.rand(H_kv, len(pos), nb, generator=generator).to(dev)  # the CPU generator: the same draw anywhere
+    noise = torch.rand(H_kv, len(pos), nb, generator=generator).to(
+        dev
+    )  # the CPU generator: the same draw anywhere
     at_random = eviction.core_blocks(noise, cand.expand_as(noise), n)
     ok = cand.sum(-1) > n  # positions where the core is a real choice
-    return [mass_share(mass, sel, cand)[:, ok].nanmean().item() for sel in (by_e, by_recency, at_random)]
+    return [
+        mass_share(mass, sel, cand)[:, ok].nanmean().item() for sel in (by_e, by_recency, at_random)
+    ]
 
 
 @torch.no_grad()
 def bench_eviction(checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, windows=8, T=1024, seed=0):
-    import train
+    import data as corpus
+
     model, tok = checkpoint.load(checkpoint_dir, "cpu", torch.float32)
     cfg = model.cfg
-    val = [i for name, text in train.documents() if train.is_val(name) for i in tok.encode(text).ids]
+    val = [
+        i for name, text in corpus.documents() if corpus.is_val(name) for i in tok.encode(text).ids
+    ]
     starts = torch.linspace(0, len(val) - T - 1, windows).long().tolist()
     g = torch.Generator().manual_seed(seed)
     t0 = cfg.k * cfg.B  # from here on the selection is sparse
     shares = torch.zeros(cfg.n_layer, 3)
     for s in starts:
-        idx = torch.tensor([val[s:s + T]])
+        idx = torch.tensor([val[s : s + T]])
         x = model.embed_tokens(idx)
         rope = model.rope(torch.arange(T)[None], x.dtype)
         for i, layer in enumerate(model.layers):
             q, k, _, c = layer.self_attn.qkvc(layer.input_layernorm(x), rope)
             shares[i] += torch.tensor(layer_shares(q, k, c, cfg, t0, g)) / windows
             x = layer(x, rope)
-    return [dict(layer=i, core_by_E=round(e, 3), by_recency=round(r, 3), at_random=round(a, 3), blocks=cfg.n_core)
-            for i, (e, r, a) in enumerate(shares.tolist())]
+    return [
+        dict(
+            layer=i,
+            core_by_E=round(e, 3),
+            by_recency=round(r, 3),
+            at_random=round(a, 3),
+            blocks=cfg.n_core,
+        )
+        for i, (e, r, a) in enumerate(shares.tolist())
+    ]

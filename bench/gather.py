@@ -1,9 +1,11 @@
 """UVA gather of scattered KV units from pinned host memory: the CUDA kernel (one thread block per
 unit, or a few looping over them), its Triton twin (the no-nvcc path), a CPU index_select + copy and
 one memcpy per unit, against one contiguous copy."""
+
 import torch
 
-import transfer
+import offload
+import offload_kernels
 from bench import wall
 
 
@@ -17,26 +19,30 @@ def bench_gather(store_gib=4.0, moved_mib=64, k=64):
         R = max(1, n // k)
         cap = int(store_gib * 2**30 / (R * unit_kib * 1024))
         host = torch.empty(R, cap, U, dtype=torch.bfloat16, pin_memory=True)
-        host.view(torch.int16).random_(-2**15, 2**15 - 1)  # random payload (never zeros)
+        host.view(torch.int16).random_(-(2**15), 2**15 - 1)  # random payload (never zeros)
         pool = torch.empty(R, k, U, dtype=torch.bfloat16, device="cuda")
         # each row fetches k distinct random blocks (a fresh draw per call would time the RNG)
-        fetches = [torch.stack([torch.randperm(cap)[:k] for _ in range(R)]).cuda() for _ in range(4)]
+        fetches = [
+            torch.stack([torch.randperm(cap)[:k] for _ in range(R)]).cuda() for _ in range(4)
+        ]
         it = iter(range(10**9))
 
         def uva():  # one thread block per unit
-            transfer._kernels("cuda").gather_units(host, pool, fetches[next(it) % 4], 0)
+            offload_kernels.uva("cuda").gather_units(host, pool, fetches[next(it) % 4], 0)
 
         def uva_triton():
-            transfer.gather_units_triton(host, pool, fetches[next(it) % 4])
+            offload_kernels.gather_units_triton(host, pool, fetches[next(it) % 4])
 
         # correctness first: both kernels == the host store on one fetch list
-        for kernel in (transfer.gather_units, transfer.gather_units_triton):
+        for kernel in (offload.gather_units, offload_kernels.gather_units_triton):
             check = torch.empty_like(pool)
             kernel(host, check, fetches[0])
             torch.cuda.synchronize()
             for r, s in ((R - 1, k // 2), (0, 0)):
-                assert torch.equal(check[r, s].cpu().view(torch.int16),
-                                   host[r, fetches[0][r, s].item()].view(torch.int16)), f"{kernel.__name__} is wrong"
+                assert torch.equal(
+                    check[r, s].cpu().view(torch.int16),
+                    host[r, fetches[0][r, s].item()].view(torch.int16),
+                ), f"{kernel.__name__} is wrong"
 
         fetch_cpu = [f.cpu() for f in fetches]
         flat = host.view(-1, U)
@@ -62,15 +68,36 @@ def bench_gather(store_gib=4.0, moved_mib=64, k=64):
         nbytes = R * k * U * 2
         t_contig = wall(contiguous_copy)
         contiguous = nbytes / t_contig / 1e9
-        ext = transfer._kernels("cuda")
-        fewer = [(f"UVA gather kernel, {n} thread blocks", lambda n=n: ext.gather_units(
-            host, pool, fetches[next(it) % 4], n), 20) for n in (16, 32, 64, 132)] if ext else []
-        for name, fn, reps in (("contiguous pinned copy", contiguous_copy, 20), ("UVA gather kernel", uva, 20), *fewer,
-                               ("UVA gather, Triton (no nvcc)", uva_triton, 20),
-                               ("index_select + copy", index_select_copy, 5),
-                               ("one memcpy per block", memcpy_per_block, 3)):
+        ext = offload_kernels.uva("cuda")
+        fewer = (
+            [
+                (
+                    f"UVA gather kernel, {n} thread blocks",
+                    lambda n=n: ext.gather_units(host, pool, fetches[next(it) % 4], n),
+                    20,
+                )
+                for n in (16, 32, 64, 132)
+            ]
+            if ext
+            else []
+        )
+        for name, fn, reps in (
+            ("contiguous pinned copy", contiguous_copy, 20),
+            ("UVA gather kernel", uva, 20),
+            *fewer,
+            ("UVA gather, Triton (no nvcc)", uva_triton, 20),
+            ("index_select + copy", index_select_copy, 5),
+            ("one memcpy per block", memcpy_per_block, 3),
+        ):
             t = t_contig if fn is contiguous_copy else wall(fn, reps=reps, warmup=1)
             gbs = nbytes / t / 1e9
-            rows.append(dict(unit_kib=unit_kib, blocks=R * k, variant=name, gb_s=round(gbs, 2),
-                             of_contiguous=round(gbs / contiguous, 3)))
+            rows.append(
+                dict(
+                    unit_kib=unit_kib,
+                    blocks=R * k,
+                    variant=name,
+                    gb_s=round(gbs, 2),
+                    of_contiguous=round(gbs / contiguous, 3),
+                )
+            )
     return rows

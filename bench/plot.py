@@ -1,6 +1,7 @@
 """python -m bench plot: the figures of BENCHMARKS.md, drawn from the benchmarks' JSON rows in
 bench/results/ (written with --json) into docs/figures/. Needs matplotlib (not a requirement of the
 rest of the project)."""
+
 import json
 import os
 
@@ -24,12 +25,32 @@ def plot_prefill(plt):
     ax.plot(T, [r["nosa_fwd_ms"] for r in nosa], "o-", label="nosa, forward")
     inf = [r for r in rows if r.get("mode") == "infllmv2"]
     if inf:
-        ax.plot([r["T"] // 1024 for r in inf], [r["nosa_fwd_ms"] for r in inf], "o:", label="infllmv2, forward")
+        ax.plot(
+            [r["T"] // 1024 for r in inf],
+            [r["nosa_fwd_ms"] for r in inf],
+            "o:",
+            label="infllmv2, forward",
+        )
     fb = [r for r in nosa if "nosa_fwd_bwd_ms" in r]
-    ax.plot([r["T"] // 1024 for r in fb], [r["sdpa_fwd_bwd_ms"] for r in fb], "s--", label="dense SDPA, fwd + bwd")
-    ax.plot([r["T"] // 1024 for r in fb], [r["nosa_fwd_bwd_ms"] for r in fb], "s--", label="nosa, fwd + bwd")
-    ax.set(xscale="log", yscale="log", xlabel="sequence length (K tokens)", ylabel="ms, one layer",
-           title="Prefill attention, 32 q / 2 KV heads of 128, H200")
+    ax.plot(
+        [r["T"] // 1024 for r in fb],
+        [r["sdpa_fwd_bwd_ms"] for r in fb],
+        "s--",
+        label="dense SDPA, fwd + bwd",
+    )
+    ax.plot(
+        [r["T"] // 1024 for r in fb],
+        [r["nosa_fwd_bwd_ms"] for r in fb],
+        "s--",
+        label="nosa, fwd + bwd",
+    )
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="sequence length (K tokens)",
+        ylabel="ms, one layer",
+        title="Prefill attention, 32 q / 2 KV heads of 128, H200",
+    )
     ax.set_xticks(T, [str(t) for t in T])
     ax.xaxis.set_minor_formatter(plt.NullFormatter())
     ax.legend(fontsize=8)
@@ -39,8 +60,12 @@ def plot_prefill(plt):
 
 def plot_requests(plt):
     """Whole requests: total time of 28 (8b) or 112 (1b) requests, prefill and decode, per system."""
-    runs = [("8b, 32K", "requests_8b_32k.json"), ("8b, 128K", "requests_8b_128k.json"),
-            ("1b, 32K", "requests_1b_32k.json"), ("1b, 128K", "requests_1b_128k.json")]
+    runs = [
+        ("8b, 32K", "requests_8b_32k.json"),
+        ("8b, 128K", "requests_8b_128k.json"),
+        ("1b, 32K", "requests_1b_32k.json"),
+        ("1b, 128K", "requests_1b_128k.json"),
+    ]
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.6), sharey=False)
     for ax, G in zip(axes, ("G1024", "G8192")):
         labels, systems = [name for name, _ in runs], {}
@@ -66,10 +91,16 @@ def plot_decode(plt):
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
     for ax, shape in zip(axes, ("8b", "1b")):
         rs = [r for r in rows if r["shape"] == shape]
-        ax.bar(range(len(rs)), [r["tokens_s"] for r in rs], color=["C0", "C1", "C2", "C3"][:len(rs)])
-        ax.set_xticks(range(len(rs)), [f"{r['system']}\nbatch {r['batch']}" for r in rs], fontsize=7)
+        ax.bar(
+            range(len(rs)), [r["tokens_s"] for r in rs], color=["C0", "C1", "C2", "C3"][: len(rs)]
+        )
+        ax.set_xticks(
+            range(len(rs)), [f"{r['system']}\nbatch {r['batch']}" for r in rs], fontsize=7
+        )
         ax.set(ylabel="decode tokens/s", title=f"{shape} shape, 128K context")
-    fig.suptitle("Steady-state decode at a 24 GiB GPU budget (H200, cache filled without a prefill)")
+    fig.suptitle(
+        "Steady-state decode at a 24 GiB GPU budget (H200, cache filled without a prefill)"
+    )
     fig.tight_layout()
     return fig
 
@@ -81,17 +112,31 @@ def plot_recall(plt):
     fig, axes = plt.subplots(1, 3, figsize=(15, 3.8), sharey=True)
 
     def named(file, names):
-        return [dict(r, system=names[r["system"], r["training"]]) for r in load(file)
-                if (r["system"], r["training"]) in names]
-    for ax, rows, title in ((axes[0], load("recall.json"), "every token alike"),
-                            (axes[1], named("recall_weighted.json", WEIGHTED), "the answers weigh 100 (or 30)"),
-                            (axes[2], named("recall_staged_gpu.json", STAGED), "tasks first, then a fifth (x30)")):
+        return [
+            dict(r, system=names[r["system"], r["training"]])
+            for r in load(file)
+            if (r["system"], r["training"]) in names
+        ]
+
+    for ax, rows, title in (
+        (axes[0], load("recall.json"), "every token alike"),
+        (axes[1], named("recall_weighted.json", WEIGHTED), "the answers weigh 100 (or 30)"),
+        (axes[2], named("recall_staged_gpu.json", STAGED), "tasks first, then a fifth (x30)"),
+    ):
         for system in dict.fromkeys(r["system"] for r in rows):
             rs = [r for r in rows if r["system"] == system]
-            style = dict(color=COLOURS[system.split(",")[0]],
-                         ls="--" if "scratch" in system or "throughout" in system else "-",
-                         alpha=0.5 if "x30" in system or "seed 2" in system else 1.0)
-            ax.plot([r["distance"] for r in rs], [100 * r["accuracy"] for r in rs], "o", label=system, **style)
+            style = dict(
+                color=COLOURS[system.split(",")[0]],
+                ls="--" if "scratch" in system or "throughout" in system else "-",
+                alpha=0.5 if "x30" in system or "seed 2" in system else 1.0,
+            )
+            ax.plot(
+                [r["distance"] for r in rs],
+                [100 * r["accuracy"] for r in rs],
+                "o",
+                label=system,
+                **style,
+            )
         ax.axvline(1024, color="grey", lw=0.8, ls=":")
         ax.text(1024, 100, " training length", fontsize=7, va="top")
         ds = sorted({r["distance"] for r in rows})
@@ -112,25 +157,47 @@ WEIGHTED = {  # the curves of recall_weighted.json drawn, by (system, training)
     ("full-as-infllmv2", "full from scratch, answers x100 (a second run)"): "full-as-infllmv2",
     ("nosa", "recipe (full 1200, nosa 300), answers x100"): "nosa, recipe",
     ("nosa", "from scratch, answers x30, seed 2"): "nosa, from scratch, x30 (seed 2)",
-    ("nosa", "from scratch, answers x100"): "nosa, from scratch"}
+    ("nosa", "from scratch, answers x100"): "nosa, from scratch",
+}
 STAGED = {  # the curves of recall_staged_gpu.json drawn, by (system, training)
-    ("full", "staged: tasks only for 500 steps, then a fifth for 1000, seed 1, answers x30"): "full, staged",
-    ("full-as-infllmv2", "staged: tasks only for 500 steps, then a fifth for 1000, seed 1, answers x30"):
+    (
+        "full",
+        "staged: tasks only for 500 steps, then a fifth for 1000, seed 1, answers x30",
+    ): "full, staged",
+    (
         "full-as-infllmv2",
-    ("nosa", "staged: tasks only for 500 steps, then a fifth for 1000, seed 1, answers x30"): "nosa, staged",
-    ("nosa", "staged: tasks only for 500 steps, then a fifth for 1000, seed 2, answers x30"): "nosa, staged, seed 2",
+        "staged: tasks only for 500 steps, then a fifth for 1000, seed 1, answers x30",
+    ): "full-as-infllmv2",
+    (
+        "nosa",
+        "staged: tasks only for 500 steps, then a fifth for 1000, seed 1, answers x30",
+    ): "nosa, staged",
+    (
+        "nosa",
+        "staged: tasks only for 500 steps, then a fifth for 1000, seed 2, answers x30",
+    ): "nosa, staged, seed 2",
     ("nosa", "a fifth of tasks for 1500 steps, seed 1, answers x30"): "nosa, a fifth throughout",
-    ("nosa", "a fifth of tasks for 1500 steps, seed 2, answers x30"): "nosa, a fifth throughout, seed 2"}
+    (
+        "nosa",
+        "a fifth of tasks for 1500 steps, seed 2, answers x30",
+    ): "nosa, a fifth throughout, seed 2",
+}
 
 
 def main():
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     os.makedirs(FIGURES, exist_ok=True)
     rows = []
-    for name, fn in (("prefill", plot_prefill), ("requests", plot_requests), ("decode", plot_decode),
-                     ("recall", plot_recall)):
+    for name, fn in (
+        ("prefill", plot_prefill),
+        ("requests", plot_requests),
+        ("decode", plot_decode),
+        ("recall", plot_recall),
+    ):
         path = os.path.join(FIGURES, f"{name}.png")
         fn(plt).savefig(path, dpi=110)
         rows.append(dict(figure=os.path.relpath(path, ROOT)))

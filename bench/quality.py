@@ -1,4 +1,5 @@
 """Long-sequence quality of the tiny models train.py makes, against a training-free sparse decode."""
+
 import os
 
 import torch
@@ -7,25 +8,36 @@ import torch.nn.functional as F
 import checkpoint
 
 # name -> (the model in ckpts/tiny-NAME, the attention it decodes with; None: the one it was trained with)
-SYSTEMS = {"nosa": ("nosa", None), "full": ("full", None), "infllmv2": ("infllmv2", None), "dma": ("dma", None),
-           "full-as-infllmv2": ("full", "infllmv2")}  # the training-free baseline
+SYSTEMS = {
+    "nosa": ("nosa", None),
+    "full": ("full", None),
+    "infllmv2": ("infllmv2", None),
+    "dma": ("dma", None),
+    "full-as-infllmv2": ("full", "infllmv2"),
+}  # the training-free baseline
 
 
 def trained_path(ckpts, attn):
     """Where train.py --attn ATTN puts its tiny model: ckpts/tiny-ATTN (ckpts = out/ by default)."""
     path = os.path.join(ckpts, f"tiny-{attn}")
     if not checkpoint.is_checkpoint(path):
-        raise FileNotFoundError(f"{path}: no trained {attn} model; train it with `python train.py --attn {attn} "
-                                f"--out {path}` (BENCHMARKS.md gives the settings), or point --ckpts elsewhere")
+        raise FileNotFoundError(
+            f"{path}: no trained {attn} model; train it with `python train.py --attn {attn} "
+            f"--out {path}` (BENCHMARKS.md gives the settings), or point --ckpts elsewhere"
+        )
     return path
 
 
 def distinct_4grams(seqs):
     """Mean share of distinct 4-grams per sequence: 1 for no repetition, near 0 for a loop."""
-    return sum(len({tuple(t[i:i + 4]) for i in range(len(t) - 3)}) / (len(t) - 3) for t in seqs) / len(seqs)
+    return sum(
+        len({tuple(t[i : i + 4]) for i in range(len(t) - 3)}) / (len(t) - 3) for t in seqs
+    ) / len(seqs)
 
 
-def bench_quality(ckpts, systems=tuple(SYSTEMS), judge=None, gen_len=1024, windows=16, n_prompts=8, prompt_len=128):
+def bench_quality(
+    ckpts, systems=tuple(SYSTEMS), judge=None, gen_len=1024, windows=16, n_prompts=8, prompt_len=128
+):
     """Long-sequence quality of the tiny models trained by train.py (ckpts/tiny-{nosa,full,...}):
     teacher-forced loss on held-out windows of gen_len tokens (by position: the first k·B are dense for
     every model), and free generations of gen_len tokens from n_prompts held-out prompts, decoded
@@ -33,45 +45,71 @@ def bench_quality(ckpts, systems=tuple(SYSTEMS), judge=None, gen_len=1024, windo
     judge (default: ckpts/tiny-full; best a full-attention model that is none of the contestants).
     'full-as-infllmv2' is the training-free baseline: the full-attention model decoded with
     InfLLMv2-style selection at the same budget k."""
-    import train
+    import data as corpus
     from generate import generate
     from kvcache import KVCache
     from offload import OffloadCache
+
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
         raise ValueError(f"unknown system(s) {sorted(unknown)}; choose from {list(SYSTEMS)}")
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    paths = {SYSTEMS[s][0]: trained_path(ckpts, SYSTEMS[s][0]) for s in systems}  # all there before any work
+    paths = {
+        SYSTEMS[s][0]: trained_path(ckpts, SYSTEMS[s][0]) for s in systems
+    }  # all there before any work
     judge_path = judge or trained_path(ckpts, "full")
     judge, tok = checkpoint.load(judge_path, dev, torch.float32)
     judge.check_length(prompt_len, gen_len)
-    eot = tok.token_to_id(train.EOT)  # the held-out files of the default corpus, as train.py splits them
-    val = torch.tensor([i for name, text in train.documents() if train.is_val(name)
-                        for i in tok.encode(text).ids + [eot]])
+    eot = tok.token_to_id(
+        corpus.EOT
+    )  # the held-out files of the default corpus, as train.py splits them
+    val = torch.tensor(
+        [
+            i
+            for name, text in corpus.documents()
+            if corpus.is_val(name)
+            for i in tok.encode(text).ids + [eot]
+        ]
+    )
     kB = judge.cfg.k * judge.cfg.B
     starts = torch.linspace(0, len(val) - gen_len - 1, windows).long()
-    x = torch.stack([val[s:s + gen_len + 1] for s in starts]).to(dev)
-    prompts = [val[s:s + prompt_len].tolist() for s in starts[:n_prompts]]
+    x = torch.stack([val[s : s + gen_len + 1] for s in starts]).to(dev)
+    prompts = [val[s : s + prompt_len].tolist() for s in starts[:n_prompts]]
     rows = []
     for name in systems:
         ck, attn = SYSTEMS[name]
-        model, _ = checkpoint.load(paths[ck], dev, torch.float32, **({"attn": attn} if attn else {}))
+        model, _ = checkpoint.load(
+            paths[ck], dev, torch.float32, **({"attn": attn} if attn else {})
+        )
         model.check_length(prompt_len, gen_len)
         cfg = model.cfg
         with torch.no_grad():
-            nll = torch.cat([F.cross_entropy(model(w[None, :-1])[0], w[1:], reduction="none")[None] for w in x])
-            cache = (OffloadCache(cfg, n_prompts, dev, torch.float32, max_len=prompt_len + gen_len) if cfg.sparse
-                     else KVCache(cfg, n_prompts, dev, torch.float32, prompt_len + gen_len))
+            nll = torch.cat(
+                [F.cross_entropy(model(w[None, :-1])[0], w[1:], reduction="none")[None] for w in x]
+            )
+            cache = (
+                OffloadCache(cfg, n_prompts, dev, torch.float32, max_len=prompt_len + gen_len)
+                if cfg.sparse
+                else KVCache(cfg, n_prompts, dev, torch.float32, prompt_len + gen_len)
+            )
             torch.manual_seed(0)
             gen = generate(model, prompts, gen_len, temperature=0.8, top_k=50, cache=cache)
             full = torch.tensor([p + g for p, g in zip(prompts, gen)], device=dev)
-            judged = torch.cat([F.cross_entropy(judge(s[None, :-1])[0], s[1:], reduction="none")[None] for s in full])
-            judged = judged[:, prompt_len - 1:]
-        row = dict(system=name, val_loss_dense_part=round(nll[:, :kB].mean().item(), 3),
-                   val_loss_sparse_part=round(nll[:, kB:].mean().item(), 3),
-                   gen_judge_loss_first_kB=round(judged[:, :kB].mean().item(), 3),
-                   gen_judge_loss_last_kB=round(judged[:, -kB:].mean().item(), 3),
-                   gen_distinct_4grams_last_kB=round(distinct_4grams([g[-kB:] for g in gen]), 3))
+            judged = torch.cat(
+                [
+                    F.cross_entropy(judge(s[None, :-1])[0], s[1:], reduction="none")[None]
+                    for s in full
+                ]
+            )
+            judged = judged[:, prompt_len - 1 :]
+        row = dict(
+            system=name,
+            val_loss_dense_part=round(nll[:, :kB].mean().item(), 3),
+            val_loss_sparse_part=round(nll[:, kB:].mean().item(), 3),
+            gen_judge_loss_first_kB=round(judged[:, :kB].mean().item(), 3),
+            gen_judge_loss_last_kB=round(judged[:, -kB:].mean().item(), 3),
+            gen_distinct_4grams_last_kB=round(distinct_4grams([g[-kB:] for g in gen]), 3),
+        )
         if cfg.sparse:
             s = cache.stats
             row["hit_rate"] = round(1 - s.moved.sum().item() / max(s.needed.sum().item(), 1), 3)

@@ -25,16 +25,21 @@ def cases(tok, filler, distances, n, length, seed=0):
     """n tasks per distance (kinds in turn), each `length` tokens: {distance: [(ids, answer_at, n_answer,
     fact_at)]}, the same for every system."""
     rng = np.random.default_rng(seed)
-    return {d: [tasks.make_task(tasks.KINDS[i % len(tasks.KINDS)], tok, filler, length, d, rng) for i in range(n)]
-            for d in distances}
+    return {
+        d: [
+            tasks.make_task(tasks.KINDS[i % len(tasks.KINDS)], tok, filler, length, d, rng)
+            for i in range(n)
+        ]
+        for d in distances
+    }
 
 
 def value_at(case):
     """Where the fact's value (the tokens the answer copies) starts: the answer's first occurrence
     from the first fact on (the value ends the passkey's, the asked needle's and the chain's first fact)."""
     ids, answer_at, n, fact_at = case
-    want = ids[answer_at:answer_at + n].tolist()
-    return next(j for j in range(fact_at, answer_at) if ids[j:j + n].tolist() == want)
+    want = ids[answer_at : answer_at + n].tolist()
+    return next(j for j in range(fact_at, answer_at) if ids[j : j + n].tolist() == want)
 
 
 def held_out_tokens(ckpt, tok):
@@ -44,12 +49,22 @@ def held_out_tokens(ckpt, tok):
     import json
     import os
 
-    import train
+    import data as corpus
+
     state = json.load(open(os.path.join(ckpt, "train_state.json")))
-    path = os.path.join(checkpoint.ROOT, "data", f"{state.get('corpus')}-{tok.get_vocab_size()}", "val.bin")
+    path = os.path.join(
+        checkpoint.ROOT, "data", f"{state.get('corpus')}-{tok.get_vocab_size()}", "val.bin"
+    )
     if os.path.exists(path):
         return np.fromfile(path, dtype=np.uint16).astype(np.int64)
-    return np.array([i for name, text in train.documents() if train.is_val(name) for i in tok.encode(text).ids])
+    return np.array(
+        [
+            i
+            for name, text in corpus.documents()
+            if corpus.is_val(name)
+            for i in tok.encode(text).ids
+        ]
+    )
 
 
 @torch.no_grad()
@@ -58,14 +73,16 @@ def where_the_fact_is(model, ids, t, b_fact):
     at position t over the prefix ids[:t+1]: 'forced' (sink, window, own block), 'Q', 'E' (the core) or
     'none'. Computed from the layer's own q, k, c, as nosa_attention selects."""
     cfg, dev = model.cfg, model.embed_tokens.weight.device
-    idx = torch.tensor(ids[:t + 1], device=dev)[None]
+    idx = torch.tensor(ids[: t + 1], device=dev)[None]
     x = model.embed_tokens(idx)
     rope = model.rope(torch.arange(t + 1, device=dev)[None], x.dtype)
     out = []
     for layer in model.layers:
         q, k, _, c = layer.self_attn.qkvc(layer.input_layernorm(x), rope)
         nb, pos = pooling.n_blocks(t + 1, cfg), torch.tensor([[t]], device=dev)
-        Q = pooling.query_aware_scores(q[:, :, -1:], pooling.compress_keys(k, cfg), pos, nb, cfg)[:, :, 0]
+        Q = pooling.query_aware_scores(q[:, :, -1:], pooling.compress_keys(k, cfg), pos, nb, cfg)[
+            :, :, 0
+        ]
         b, q_blk = torch.arange(nb, device=dev), t // cfg.B
         forced = (b <= q_blk) & ((b < cfg.n_sink) | (b >= q_blk - cfg.n_win))
         cand = (b <= q_blk) & ~forced
@@ -73,11 +90,20 @@ def where_the_fact_is(model, ids, t, b_fact):
         pick_e = torch.zeros_like(pick_q)
         if c is not None and cfg.n_core > 0:
             ids_e = nosa.core_lists(pooling.pool_mean(c, cfg), pos, cfg)[:, :, 0]  # (1, H_kv, n)
-            pick_e = eviction.core_picks(ids_e, pick_q.gather(-1, ids_e.clamp(min=0)), cfg.n_core, nb)
+            pick_e = eviction.core_picks(
+                ids_e, pick_q.gather(-1, ids_e.clamp(min=0)), cfg.n_core, nb
+            )
         few = q_blk + 1 <= cfg.k
         for h in range(cfg.H_kv):
-            out.append("forced" if few or forced[b_fact] else "Q" if pick_q[0, h, b_fact] else
-                       "E" if pick_e[0, h, b_fact] else "none")
+            out.append(
+                "forced"
+                if few or forced[b_fact]
+                else "Q"
+                if pick_q[0, h, b_fact]
+                else "E"
+                if pick_e[0, h, b_fact]
+                else "none"
+            )
         x = layer(x, rope)
     return out
 
@@ -93,26 +119,31 @@ def eviction_at_the_question(model, ids, t, v, n):
     dense attention mass over the candidates that falls on the blocks the value spans (what a core
     would have to keep); and bench eviction's shares at this one position (the core by E, by recency, at random)."""
     from bench.eviction import block_mass, layer_shares
+
     cfg, dev = model.cfg, model.embed_tokens.weight.device
-    idx = torch.tensor(ids[:t + 1], device=dev)[None]
+    idx = torch.tensor(ids[: t + 1], device=dev)[None]
     x = model.embed_tokens(idx)
     rope = model.rope(torch.arange(t + 1, device=dev)[None], x.dtype)
     nb, q_blk, b_fact = pooling.n_blocks(t + 1, cfg), t // cfg.B, v // cfg.B
     b = torch.arange(nb, device=dev)
     cand = (b >= cfg.n_sink) & (b < q_blk - cfg.n_win)
     value = torch.zeros(t + 1, dtype=torch.bool, device=dev)
-    value[v:v + n] = True
+    value[v : v + n] = True
     g = torch.Generator().manual_seed(0)
     out = {}
     for i, layer in enumerate(model.layers):
         q, k, _, c = layer.self_attn.qkvc(layer.input_layernorm(x), rope)
-        row = dict(zip(("share_E", "share_recency", "share_random"), layer_shares(q, k, c, cfg, t, g)))
+        row = dict(
+            zip(("share_E", "share_recency", "share_random"), layer_shares(q, k, c, cfg, t, g))
+        )
         if c is not None and cand[b_fact]:
             cf = c[0].float()  # (H_kv, t+1)
             rest = cf[:, ~value]
             row["c_fact_z"] = ((cf[:, value].mean(-1) - rest.mean(-1)) / rest.std(-1)).mean().item()
             E = eviction.eviction_block_scores(pooling.pool_mean(c, cfg), nb, cfg)[0]  # (H_kv, nb)
-            below = ((E <= E[:, b_fact:b_fact + 1]) & cand).sum(-1).float() - 1  # the others at or below it
+            below = ((E <= E[:, b_fact : b_fact + 1]) & cand).sum(
+                -1
+            ).float() - 1  # the others at or below it
             row["E_rank_fact"] = (below / max(int(cand.sum()) - 1, 1)).mean().item()
         if cand[b_fact]:
             mass = block_mass(q, k, c, cfg, t)[:, -1]  # (H_kv, nb): the question's dense attention
@@ -127,15 +158,25 @@ def fact_standing(model, cs, where=True):
     """For the cases cs at the question's last token: where the value's block stands in Γ(t), per layer
     and KV head (where_the_fact_is; [] unless `where`), and eviction_at_the_question's rows per layer."""
     at_q = [(c[0].tolist(), c[1] - 1, value_at(c), c[2]) for c in cs]
-    return ([w for ids, t, v, _ in at_q for w in where_the_fact_is(model, ids, t, v // model.cfg.B)] if where else [],
-            [r for ids, t, v, n in at_q for r in eviction_at_the_question(model, ids, t, v, n).values()])
+    return (
+        [w for ids, t, v, _ in at_q for w in where_the_fact_is(model, ids, t, v // model.cfg.B)]
+        if where
+        else [],
+        [
+            r
+            for ids, t, v, n in at_q
+            for r in eviction_at_the_question(model, ids, t, v, n).values()
+        ],
+    )
 
 
 def answer_loss(model, ids, at, n):
     """Cross-entropy of the answer's n tokens at `at` given what precedes it: ids (L,) -> a scalar tensor."""
     x = torch.as_tensor(ids, device=model.embed_tokens.weight.device)
-    logits = model(x[None, :at + n - 1])[0, at - 1:]
-    return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), x[at:at + n])
+    logits = model(x[None, : at + n - 1])[0, at - 1 :]
+    return F.cross_entropy(
+        logits.to(torch.promote_types(logits.dtype, torch.float32)), x[at : at + n]
+    )
 
 
 def gradient_on_the_value(model, case, offset=None):
@@ -151,10 +192,13 @@ def gradient_on_the_value(model, case, offset=None):
     def keep(*args):  # each layer's c, kept with its gradient
         c = score(*args)
         if offset is not None:
-            c = c + F.pad(torch.full((n,), offset, dtype=c.dtype, device=c.device), (v, c.shape[-1] - v - n))
+            c = c + F.pad(
+                torch.full((n,), offset, dtype=c.dtype, device=c.device), (v, c.shape[-1] - v - n)
+            )
         c.retain_grad()
         cs.append(c)
         return c
+
     eviction.eviction_score = keep
     try:
         with torch.enable_grad():
@@ -166,13 +210,30 @@ def gradient_on_the_value(model, case, offset=None):
         eviction.eviction_score = score
         model.zero_grad(set_to_none=True)
     g = -torch.stack([c.grad[0] for c in cs])  # (layers, H_kv, T)
-    return g[..., v:v + n].mean().item(), torch.cat([g[..., :v], g[..., v + n:at]], -1).abs().mean().item()
+    return g[..., v : v + n].mean().item(), torch.cat(
+        [g[..., :v], g[..., v + n : at]], -1
+    ).abs().mean().item()
 
 
-DISTANCES = (128, 256, 512, 1024, 2048, 4000)  # bench_recall's bins, in tokens from the fact to the question
+DISTANCES = (
+    128,
+    256,
+    512,
+    1024,
+    2048,
+    4000,
+)  # bench_recall's bins, in tokens from the fact to the question
 
 
-def bench_recall(ckpts, systems=tuple(SYSTEMS), distances=DISTANCES, n=200, seed=0, where_cases=20, json_path=None):
+def bench_recall(
+    ckpts,
+    systems=tuple(SYSTEMS),
+    distances=DISTANCES,
+    n=200,
+    seed=0,
+    where_cases=20,
+    json_path=None,
+):
     """Accuracy per distance bin and system; the fact's standing for `where_cases` cases per bin. The
     bins reach twice and about four times the tiny models' 1024-token training windows (4000: about
     the farthest a 4096-token context holds with the question and the longest answer); a bin the
@@ -181,9 +242,12 @@ def bench_recall(ckpts, systems=tuple(SYSTEMS), distances=DISTANCES, n=200, seed
     from generate import generate
     from kvcache import KVCache
     from offload import OffloadCache
+
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
-    paths = {SYSTEMS[s][0]: trained_path(ckpts, SYSTEMS[s][0]) for s in systems}  # all there before any work
+    paths = {
+        SYSTEMS[s][0]: trained_path(ckpts, SYSTEMS[s][0]) for s in systems
+    }  # all there before any work
     first = next(iter(paths.values()))
     _, tok = checkpoint.load(first)
     val = held_out_tokens(first, tok)
@@ -195,23 +259,34 @@ def bench_recall(ckpts, systems=tuple(SYSTEMS), distances=DISTANCES, n=200, seed
         for d in distances:
             length = d + 64  # room before the fact for the sinks, and for the question and answer
             cs = cases(tok, val, [d], n, length, seed)[d]
-            prompts = [c[0][:c[1]].tolist() for c in cs]
+            prompts = [c[0][: c[1]].tolist() for c in cs]
             G = max(c[2] for c in cs)  # every prompt is followed by the longest answer's tokens
             if max(map(len, prompts)) + G > cfg.max_seq_len:
-                print(f"recall: {name} skips distance {d}: prompts and answers exceed max_seq_len={cfg.max_seq_len}")
+                print(
+                    f"recall: {name} skips distance {d}: prompts and answers exceed max_seq_len={cfg.max_seq_len}"
+                )
                 continue
-            cache = (OffloadCache(cfg, len(prompts), dev, dtype, max_len=length + G) if cfg.sparse
-                     else KVCache(cfg, len(prompts), dev, dtype, length + G))
+            cache = (
+                OffloadCache(cfg, len(prompts), dev, dtype, max_len=length + G)
+                if cfg.sparse
+                else KVCache(cfg, len(prompts), dev, dtype, length + G)
+            )
             out = generate(model, prompts, G, cache=cache)
-            correct = [o[:c[2]] == c[0][c[1]:].tolist() for o, c in zip(out, cs)]
-            row = dict(system=name, distance=d, cases=len(cs), accuracy=round(float(np.mean(correct)), 3))
+            correct = [o[: c[2]] == c[0][c[1] :].tolist() for o, c in zip(out, cs)]
+            row = dict(
+                system=name, distance=d, cases=len(cs), accuracy=round(float(np.mean(correct)), 3)
+            )
             where, ev = fact_standing(model, cs[:where_cases], cfg.sparse)
             if cfg.sparse:
                 s = cache.stats
                 row["hit_rate"] = round(1 - s.moved.sum().item() / max(s.needed.sum().item(), 1), 3)
                 for kind in ("forced", "Q", "E", "none"):
                     row[f"fact_{kind}"] = round(where.count(kind) / len(where), 3)
-            for key in ("dense_fact", "c_fact_z", "E_rank_fact"):  # means over cases, layers and KV heads
+            for key in (
+                "dense_fact",
+                "c_fact_z",
+                "E_rank_fact",
+            ):  # means over cases, layers and KV heads
                 if any(key in r for r in ev):
                     row[key] = round(float(np.mean([r[key] for r in ev if key in r])), 3)
             if cfg.eviction_head:
@@ -241,8 +316,9 @@ def train_head(model, tok, filler, steps, rng, batch=4, length=1025, lr=1e-2):
         loss = 0
         for _ in range(batch):
             kind = tasks.KINDS[int(rng.integers(0, len(tasks.KINDS)))]
-            ids, at, n, _ = tasks.make_task(kind, tok, filler, length, int(rng.integers(cfg.k * cfg.B, length - 24)),
-                                            rng)
+            ids, at, n, _ = tasks.make_task(
+                kind, tok, filler, length, int(rng.integers(cfg.k * cfg.B, length - 24)), rng
+            )
             loss = loss + answer_loss(model, ids, at, n) / batch
         opt.zero_grad()
         loss.backward()
@@ -253,7 +329,9 @@ def train_head(model, tok, filler, steps, rng, batch=4, length=1025, lr=1e-2):
     return losses
 
 
-def bench_head(ckpt=checkpoint.DEFAULT_CHECKPOINT, steps=150, distances=(256, 768), n=24, where_cases=8, seed=0):
+def bench_head(
+    ckpt=checkpoint.DEFAULT_CHECKPOINT, steps=150, distances=(256, 768), n=24, where_cases=8, seed=0
+):
     """Can the eviction head learn to keep a fact? A trained model with an eviction head, frozen but for
     the heads, trained on recall tasks by the answer's loss (train_head), from its own head ('as trained')
     and from A = 1, W_δ = 0 ('A = 1, W_δ = 0': c constant, the same function as A = 0, but W_δ's
@@ -261,14 +339,20 @@ def bench_head(ckpt=checkpoint.DEFAULT_CHECKPOINT, steps=150, distances=(256, 76
     value's block stands (where_the_fact_is) and how c ranks it (eviction_at_the_question), and the
     loss on held-out Python text (what the tuned heads cost the text)."""
     import train
+
     _, tok = checkpoint.load(ckpt)
     val = held_out_tokens(ckpt, tok)
-    train_fill, test_fill = val[:len(val) // 2], val[len(val) // 2:]  # tasks to learn from and to test on
+    train_fill, test_fill = (
+        val[: len(val) // 2],
+        val[len(val) // 2 :],
+    )  # tasks to learn from and to test on
     rows = []
     for init in ("as trained", "A = 1, W_δ = 0"):
         model, _ = checkpoint.load(ckpt, dtype=torch.float32)
         if not model.cfg.eviction_head:
-            raise ValueError(f"{ckpt}: bench head needs a model with an eviction head (nosa or dma)")
+            raise ValueError(
+                f"{ckpt}: bench head needs a model with an eviction head (nosa or dma)"
+            )
         if init != "as trained":
             for blk in model.layers:
                 torch.nn.init.ones_(blk.self_attn.A)
@@ -276,23 +360,45 @@ def bench_head(ckpt=checkpoint.DEFAULT_CHECKPOINT, steps=150, distances=(256, 76
         for phase in ("before", "after"):
             if phase == "after":
                 losses = train_head(model, tok, train_fill, steps, np.random.default_rng(seed))
-            with torch.no_grad():  # what the heads cost the text: the held-out half's loss, 6 x 8 windows
-                text_loss = train.evaluate(model, test_fill, 8, 1024, torch.device("cpu"), n_batches=6)
+            with (
+                torch.no_grad()
+            ):  # what the heads cost the text: the held-out half's loss, 6 x 8 windows
+                text_loss = train.evaluate(
+                    model, test_fill, 8, 1024, torch.device("cpu"), n_batches=6
+                )
             for d in distances:
                 cs = cases(tok, test_fill, [d], n, d + 64, seed + d)[d]
                 with torch.no_grad():
                     loss = np.mean([answer_loss(model, c[0], c[1], c[2]).item() for c in cs])
                 where, ev = fact_standing(model, cs[:where_cases])
-                z = [r["c_fact_z"] for r in ev if np.isfinite(r.get("c_fact_z", np.nan))]  # none while c is constant
-                row = dict(init=init, phase=phase, steps=steps if phase == "after" else 0, distance=d, cases=n,
-                           answer_loss=round(float(loss), 3), text_loss=round(text_loss, 3),
-                           **{f"fact_{k}": round(where.count(k) / len(where), 3) for k in ("Q", "E", "none")},
-                           c_fact_z=round(float(np.mean(z)), 2) if z else None,
-                           mean_abs_A=round(float(np.mean([blk.self_attn.A.abs().mean().item()
-                                                           for blk in model.layers])), 3))
+                z = [
+                    r["c_fact_z"] for r in ev if np.isfinite(r.get("c_fact_z", np.nan))
+                ]  # none while c is constant
+                row = dict(
+                    init=init,
+                    phase=phase,
+                    steps=steps if phase == "after" else 0,
+                    distance=d,
+                    cases=n,
+                    answer_loss=round(float(loss), 3),
+                    text_loss=round(text_loss, 3),
+                    **{
+                        f"fact_{k}": round(where.count(k) / len(where), 3)
+                        for k in ("Q", "E", "none")
+                    },
+                    c_fact_z=round(float(np.mean(z)), 2) if z else None,
+                    mean_abs_A=round(
+                        float(
+                            np.mean([blk.self_attn.A.abs().mean().item() for blk in model.layers])
+                        ),
+                        3,
+                    ),
+                )
                 if phase == "after":
-                    row["train_loss_first_last_10"] = (round(float(np.mean(losses[:10])), 3),
-                                                       round(float(np.mean(losses[-10:])), 3))
+                    row["train_loss_first_last_10"] = (
+                        round(float(np.mean(losses[:10])), 3),
+                        round(float(np.mean(losses[-10:])), 3),
+                    )
                 rows.append(row)
                 print(row, flush=True)
     return rows

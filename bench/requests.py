@@ -11,6 +11,7 @@ of the last, smaller batch where N is not a multiple of the batch. The N request
 from those times: every prefill of a shape costs the same, and a step at context P is no slower
 than the steps after it for the sparse systems and faster for full attention, whose reads grow with
 the context, so the composition favours the baseline."""
+
 import gc
 import statistics
 import time
@@ -21,14 +22,24 @@ import memory
 import offload
 from bench.throughput import SHAPES, SYSTEMS, fill_random
 from config import Config
+from prefill import prefill
 
 
 def largest_plan(cfg, weights, requests, prompt_len, max_len, dtype, budget, host, use_offload):
     """The largest batch up to `requests` that plan_memory accepts, with its (chunk, stream_on_host)."""
     for Bz in range(requests, 0, -1):
         try:
-            return Bz, memory.plan_memory(cfg, weights, Bz, prompt_len, max_len, dtype, budget,
-                                           host if use_offload else None, use_offload)
+            return Bz, memory.plan_memory(
+                cfg,
+                weights,
+                Bz,
+                prompt_len,
+                max_len,
+                dtype,
+                budget,
+                host if use_offload else None,
+                use_offload,
+            )
         except MemoryError:
             continue
     return 0, (None, False)
@@ -51,11 +62,20 @@ def compose(N, Bz, G, t_prefill, t_step, t_step_last=None):
 
 
 @torch.no_grad()
-def bench_requests(shape="8b", prompt_len=131072, new_tokens=(1024, 8192), requests=28, budget_gb=24.0,
-                   systems=("nosa-offload", "full", "infllmv2-offload"), steps=48, host_gb=None):
-    from fast import GraphedDecode, block_prefill, prepare
+def bench_requests(
+    shape="8b",
+    prompt_len=131072,
+    new_tokens=(1024, 8192),
+    requests=28,
+    budget_gb=24.0,
+    systems=("nosa-offload", "full", "infllmv2-offload"),
+    steps=48,
+    host_gb=None,
+):
+    from fast import GraphedDecode, compile_model
     from generate import random_model
     from kvcache import KVCache
+
     cuda = torch.cuda.is_available()
     dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -67,39 +87,59 @@ def bench_requests(shape="8b", prompt_len=131072, new_tokens=(1024, 8192), reque
     for name in systems:
         label, attn, use_offload = SYSTEMS[name]
         torch.manual_seed(0)
-        model = random_model(Config.from_preset(preset, **over, attn=attn, max_seq_len=max_len), dev, dtype)
-        prepare(model)
+        model = random_model(
+            Config.from_preset(preset, **over, attn=attn, max_seq_len=max_len), dev, dtype
+        )
+        if cuda:  # every system prefills and decodes with its small operations compiled
+            compile_model(model, prefill=True)
         cfg = model.cfg
         weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-        Bz, (chunk, on_host) = largest_plan(cfg, weights, requests, prompt_len, max_len, dtype, budget, host,
-                                            use_offload)
-        row = dict(system=label, shape=shape, prompt_len=prompt_len, batch=Bz, chunk=chunk, stream_on_host=on_host)
-        if use_offload and Bz and (tight := memory.host_warning(memory.cache_bytes(cfg, Bz, max_len, dtype)[1])):
+        Bz, (chunk, on_host) = largest_plan(
+            cfg, weights, requests, prompt_len, max_len, dtype, budget, host, use_offload
+        )
+        row = dict(
+            system=label,
+            shape=shape,
+            prompt_len=prompt_len,
+            batch=Bz,
+            chunk=chunk,
+            stream_on_host=on_host,
+        )
+        if (
+            use_offload
+            and Bz
+            and (tight := memory.host_warning(memory.cache_bytes(cfg, Bz, max_len, dtype)[1]))
+        ):
             print(tight, flush=True)
         rows.append(row)
         if Bz == 0:
             print(row, flush=True)
             continue
-        new_cache = lambda n: (offload.OffloadCache(cfg, n, dev, dtype, max_len=max_len, host_budget=host)
-                               if use_offload else KVCache(cfg, n, dev, dtype, max_len))
+        new_cache = lambda n: (
+            offload.OffloadCache(cfg, n, dev, dtype, max_len=max_len, host_budget=host)
+            if use_offload
+            else KVCache(cfg, n, dev, dtype, max_len)
+        )
         cache = new_cache(Bz)
         idx = torch.randint(0, cfg.vocab_size, (1, prompt_len), device=dev)
         # a whole prefill first: it compiles every kernel the timed one launches (the selection kernel once per
         # power of two of the block count, which grows with the prompt), so the timed one is the steady state
-        model.prefill(idx, cache, 0, chunk, stream_on_host=on_host, block=block_prefill)
+        prefill(model, idx, cache, 0, chunk, stream_on_host=on_host)
         sync()
         base = torch.cuda.memory_allocated() if cuda else 0
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        model.prefill(idx, cache, 0, chunk, stream_on_host=on_host, block=block_prefill)
+        prefill(model, idx, cache, 0, chunk, stream_on_host=on_host)
         sync()
         t_prefill = time.perf_counter() - t0
         prefill_peak = torch.cuda.max_memory_allocated() - base if cuda else 0
         if Bz > 1:  # the other rows: random prompts of the same length, as if prefilled
             fill_random(cache, cfg, Bz, prompt_len, dev, dtype, first=1)
         t_step = timed_steps(GraphedDecode(model, cache), Bz, cfg, steps, dev, sync)
-        last = requests % Bz if requests > Bz else 0  # the last batch's sequences, where it is smaller
+        last = (
+            requests % Bz if requests > Bz else 0
+        )  # the last batch's sequences, where it is smaller
         if last:  # its own step, on a cache of that many rows
             del cache
             free(cuda)
@@ -107,20 +147,37 @@ def bench_requests(shape="8b", prompt_len=131072, new_tokens=(1024, 8192), reque
             fill_random(cache, cfg, last, prompt_len, dev, dtype)
             t_last = timed_steps(GraphedDecode(model, cache), last, cfg, steps, dev, sync)
             row.update(last_batch=last, last_step_ms=round(t_last * 1e3, 2))
-        row.update(ttft_one_s=seconds(t_prefill), prefill_tokens_s=round(prompt_len / t_prefill),
-                   decode_tokens_s=round(Bz / t_step, 1), step_ms=round(t_step * 1e3, 2),
-                   prefill_gb_beyond=round(prefill_peak / 2**30, 2),
-                   modelled_gb=round(memory.prefill_bytes(cfg, prompt_len, chunk, dtype, on_host) / 2**30, 2),
-                   gpu_peak_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None)
+        row.update(
+            ttft_one_s=seconds(t_prefill),
+            prefill_tokens_s=round(prompt_len / t_prefill),
+            decode_tokens_s=round(Bz / t_step, 1),
+            step_ms=round(t_step * 1e3, 2),
+            prefill_gb_beyond=round(prefill_peak / 2**30, 2),
+            modelled_gb=round(
+                memory.prefill_bytes(cfg, prompt_len, chunk, dtype, on_host) / 2**30, 2
+            ),
+            gpu_peak_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+        )
         for G in new_tokens:
             ttft, total = compose(requests, Bz, G, t_prefill, t_step, t_last if last else None)
-            row[f"G{G}"] = dict(ttft_median_s=seconds(statistics.median(ttft)), ttft_max_s=seconds(max(ttft)),
-                                total_s=seconds(total), output_tokens_s=round(requests * G / total, 1))
+            row[f"G{G}"] = dict(
+                ttft_median_s=seconds(statistics.median(ttft)),
+                ttft_max_s=seconds(max(ttft)),
+                total_s=seconds(total),
+                output_tokens_s=round(requests * G / total, 1),
+            )
         print(row, flush=True)
         del cache, model
         free(cuda)
     for G in new_tokens:  # the ratios against full attention, per G
-        base = next((r[f"G{G}"]["total_s"] for r in rows if r["system"].startswith("full") and f"G{G}" in r), None)
+        base = next(
+            (
+                r[f"G{G}"]["total_s"]
+                for r in rows
+                if r["system"].startswith("full") and f"G{G}" in r
+            ),
+            None,
+        )
         for r in rows:
             if base and f"G{G}" in r:
                 r[f"G{G}"]["vs_full"] = round(base / r[f"G{G}"]["total_s"], 2)

@@ -1,4 +1,5 @@
 """Steady-state decode throughput at a fixed GPU memory budget, every system at its largest batch."""
+
 import time
 
 import torch
@@ -7,12 +8,17 @@ import checkpoint
 import fast
 import memory
 import offload
-import transfer
+import offload_kernels
 from bench import hbm_bandwidth, pinned_bandwidth
 from bench.quality import trained_path
 from config import Config
+from prefill import prefill
 
-SHAPES = {"tiny": ("tiny", {}), "1b": ("paper", {}), "8b": ("paper-8b", {})}  # random-weight models: config.PRESETS
+SHAPES = {
+    "tiny": ("tiny", {}),
+    "1b": ("paper", {}),
+    "8b": ("paper-8b", {}),
+}  # random-weight models: config.PRESETS
 PHASES = ("weights", "selection", "transfer", "attention")
 
 
@@ -22,6 +28,7 @@ def split_by_phase(step, tok, n, cuda):
     the host spends it issuing them (an eager step is launch-bound), and the device time of the
     gather kernels alone. Returns (tok, {phase: ms}, gather ms)."""
     from torch.profiler import ProfilerActivity, profile
+
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:
         t0 = time.perf_counter()
@@ -30,11 +37,19 @@ def split_by_phase(step, tok, n, cuda):
         if cuda:
             torch.cuda.synchronize()
         total = (time.perf_counter() - t0) * 1e3 / n
-    ev = prof.key_averages()  # on a GPU each range is listed twice: the host's and the device's (no host time)
-    ms = {p: max((e.cpu_time_total for e in ev if e.key == p), default=0.0) / 1e3 / n for p in PHASES[1:]}
+    ev = (
+        prof.key_averages()
+    )  # on a GPU each range is listed twice: the host's and the device's (no host time)
+    ms = {
+        p: max((e.cpu_time_total for e in ev if e.key == p), default=0.0) / 1e3 / n
+        for p in PHASES[1:]
+    }
     ms["weights"] = max(total - sum(ms.values()), 0.0)
-    gather = sum((e.device_time_total if cuda else e.cpu_time_total) / 1e3 / n for e in ev
-                 if "gather_units" in e.key and (not cuda or "kernel" in e.key))
+    gather = sum(
+        (e.device_time_total if cuda else e.cpu_time_total) / 1e3 / n
+        for e in ev
+        if "gather_units" in e.key and (not cuda or "kernel" in e.key)
+    )
     return tok, ms, gather
 
 
@@ -59,7 +74,10 @@ def activation_bytes(model, new_cache, prompt_len, micro_batches=1):
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        step, tok = fast.GraphedDecode(model, cache, micro_batches), torch.zeros(n, dtype=torch.long, device="cuda")
+        step, tok = (
+            fast.GraphedDecode(model, cache, micro_batches),
+            torch.zeros(n, dtype=torch.long, device="cuda"),
+        )
         for _ in range(4):  # eager, eager (warm-up), capture + replay, replay
             tok = step(tok).argmax(-1)
         torch.cuda.synchronize()
@@ -72,19 +90,34 @@ def activation_bytes(model, new_cache, prompt_len, micro_batches=1):
 
 def real_prompts(tok, n, T):
     """n windows of T tokens from the default corpus (train.py), spread over it."""
-    import train
-    ids = [i for _, text in train.documents() for i in tok.encode(text).ids]
+    import data as corpus
+
+    ids = [i for _, text in corpus.documents() for i in tok.encode(text).ids]
     starts = torch.linspace(0, len(ids) - T - 1, n).long().tolist()
-    return [ids[s:s + T] for s in starts]
+    return [ids[s : s + T] for s in starts]
 
 
-SYSTEMS = {"full": ("full, resident cache", "full", False),
-           "infllmv2-offload": ("infllmv2 + offload", "infllmv2", True),
-           "nosa-offload": ("nosa + offload", "nosa", True), "nosa-resident": ("nosa, resident cache", "nosa", False)}
+SYSTEMS = {
+    "full": ("full, resident cache", "full", False),
+    "infllmv2-offload": ("infllmv2 + offload", "infllmv2", True),
+    "nosa-offload": ("nosa + offload", "nosa", True),
+    "nosa-resident": ("nosa, resident cache", "nosa", False),
+}
 
 
-def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, warmup=8, batch_limit=256,
-                     host_gb=None, ckpts=None, eager_steps=8, systems=tuple(SYSTEMS), micro_batches=(2,)):
+def bench_throughput(
+    shape="tiny",
+    prompt_len=4096,
+    budget_gb=24.0,
+    steps=256,
+    warmup=8,
+    batch_limit=256,
+    host_gb=None,
+    ckpts=None,
+    eager_steps=8,
+    systems=tuple(SYSTEMS),
+    micro_batches=(2,),
+):
     """Steady-state decode tokens/s at a fixed GPU memory budget. Each system gets the largest batch
     whose weights + KV cache (memory.cache_bytes) + activations fit the budget, the activations
     measured: the peak of a graphed step at two batch sizes beyond the cache, extrapolated linearly
@@ -101,6 +134,7 @@ def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, w
 
     from kvcache import KVCache
     from model import Transformer
+
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     cuda = dev == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -109,8 +143,10 @@ def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, w
     base = Config.from_preset(preset, **over, max_seq_len=max_len)
     hbm, pcie = (hbm_bandwidth(), pinned_bandwidth()) if cuda else (None, None)
     if not ckpts:
-        print("random weights: the query-aware picks are random, so hit rates sit near the guaranteed bound "
-              "(hit_rate_bound), not at a trained model's")
+        print(
+            "random weights: the query-aware picks are random, so hit rates sit near the guaranteed bound "
+            "(hit_rate_bound), not at a trained model's"
+        )
     host_budget = host_gb * 2**30 if host_gb else memory.host_bytes_available()
     rows, prompts = [], None
     runs = [(SYSTEMS[s], m) for s in systems for m in (micro_batches if SYSTEMS[s][2] else (1,))]
@@ -118,20 +154,42 @@ def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, w
         torch.manual_seed(0)
         if ckpts:
             model, tok = checkpoint.load(trained_path(ckpts, attn), dev, dtype, max_seq_len=max_len)
-            prompts = prompts or real_prompts(tok, batch_limit, prompt_len)  # one tokenizer for all of them
+            prompts = prompts or real_prompts(
+                tok, batch_limit, prompt_len
+            )  # one tokenizer for all of them
         else:
-            with torch.device(dev):  # initialised where it runs: an 8B model would take minutes on the host
+            with torch.device(
+                dev
+            ):  # initialised where it runs: an 8B model would take minutes on the host
                 model = Transformer(replace(base, attn=attn)).to(dtype)
-        fast.prepare(model.eval())
+        model.eval()
+        if cuda:  # the decode step's small operations compiled, as generate.py does for long runs
+            fast.compile_model(model)
         cfg = model.cfg
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
-        new_cache = lambda n: (offload.OffloadCache(cfg, n, dev, dtype, max_len=max_len, host_budget=host_budget)
-                               if use_offload else KVCache(cfg, n, dev, dtype, max_len))
+        new_cache = lambda n: (
+            offload.OffloadCache(cfg, n, dev, dtype, max_len=max_len, host_budget=host_budget)
+            if use_offload
+            else KVCache(cfg, n, dev, dtype, max_len)
+        )
         act0, act1 = activation_bytes(model, new_cache, prompt_len, mb) if cuda else (0, 0)
         free = budget_gb * 2**30 - weights
-        Bz = min(batch_limit, memory.max_batch(cfg, max_len, dtype, free - act0, host_budget if use_offload else None,
-                                                offload=use_offload))
-        while Bz and memory.cache_bytes(cfg, Bz, max_len, dtype, use_offload)[0] + act0 + act1 * Bz > free:
+        Bz = min(
+            batch_limit,
+            memory.max_batch(
+                cfg,
+                max_len,
+                dtype,
+                free - act0,
+                host_budget if use_offload else None,
+                offload=use_offload,
+            ),
+        )
+        while (
+            Bz
+            and memory.cache_bytes(cfg, Bz, max_len, dtype, use_offload)[0] + act0 + act1 * Bz
+            > free
+        ):
             Bz -= 1
         row = dict(system=system, micro_batches=mb, batch=Bz)
         rows.append(row)
@@ -143,12 +201,14 @@ def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, w
                 torch.cuda.reset_peak_memory_stats()
             if ckpts:
                 for seq, p in enumerate(prompts[:Bz]):
-                    model.prefill(torch.tensor([p], device=dev), cache, seq)
+                    prefill(model, torch.tensor([p], device=dev), cache, seq)
             else:
                 fill_random(cache, cfg, Bz, prompt_len, dev, dtype)
             tok_ = torch.randint(0, cfg.vocab_size, (Bz,), device=dev)
-            step = lambda t: fast.decode(model, t, cache).argmax(-1)  # the eager step
-            for _ in range(2):  # the first step after prefill gathers whole selections; first calls compile
+            step = lambda t: model.decode(t, cache).argmax(-1)  # the eager step
+            for _ in range(
+                2
+            ):  # the first step after prefill gathers whole selections; first calls compile
                 tok_ = step(tok_)
 
             def timed(fn, n):
@@ -166,48 +226,73 @@ def bench_throughput(shape="tiny", prompt_len=4096, budget_gb=24.0, steps=256, w
             graphed = fast.GraphedDecode(model, cache, mb)
             gstep = lambda t: graphed(t).argmax(-1)
             timed(gstep, warmup)  # warm-up, capture
-            needed0, moved0 = ((cache.stats.needed.sum().item(), cache.stats.moved.sum().item()) if use_offload
-                               else (0, 0))
+            needed0, moved0 = (
+                (cache.stats.needed.sum().item(), cache.stats.moved.sum().item())
+                if use_offload
+                else (0, 0)
+            )
             graph_s = timed(gstep, steps)  # after: one graph replay per step
             if use_offload:  # over the graphed steps
                 moved1 = cache.stats.moved.sum().item()
                 hit_rate = 1 - (moved1 - moved0) / max(cache.stats.needed.sum().item() - needed0, 1)
                 moved0 = moved1
-            tok_, split, gather_ms = split_by_phase(step, tok_, eager_steps, cuda)  # last: bench/__init__.py
+            tok_, split, gather_ms = split_by_phase(
+                step, tok_, eager_steps, cuda
+            )  # last: bench/__init__.py
             if use_offload:  # gather kernel time and bytes over the profiled steps
-                moved = (cache.stats.moved.sum().item() - moved0) * cache.stats.unit_bytes / eager_steps
-        row.update(micro_batches=len(graphed.parts or [None]),  # fewer than asked when the batch is smaller
-                   tokens_s=round(Bz / graph_s, 1), step_ms=round(graph_s * 1e3, 2),
-                   eager_step_ms=round(eager_s * 1e3, 2),
-                   graphed=graphed.graph is not None,
-                   **{f"{p}_ms": round(split[p], 2) for p in PHASES},
-                   gpu_peak_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
-                   act_mb=round((act0 + act1 * Bz) / 2**20, 1))
+                moved = (
+                    (cache.stats.moved.sum().item() - moved0) * cache.stats.unit_bytes / eager_steps
+                )
+        row.update(
+            micro_batches=len(
+                graphed.parts or [None]
+            ),  # fewer than asked when the batch is smaller
+            tokens_s=round(Bz / graph_s, 1),
+            step_ms=round(graph_s * 1e3, 2),
+            eager_step_ms=round(eager_s * 1e3, 2),
+            graphed=graphed.graph is not None,
+            **{f"{p}_ms": round(split[p], 2) for p in PHASES},
+            gpu_peak_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+            act_mb=round((act0 + act1 * Bz) / 2**20, 1),
+        )
         if use_offload:
             # guaranteed resident, of the k - 1 selected non-tail blocks: nosa's k_e query-agnostic blocks
             # (the locality theorem), infllmv2's sinks and window
             resident = cfg.k_e if attn == "nosa" else cfg.n_sink + cfg.n_win
-            row.update(hit_rate=round(hit_rate, 3),
-                       hit_rate_bound=round(resident / (cfg.k - 1), 3),
-                       mb_per_step=round(moved / 1e6, 2), gather_ms=round(gather_ms, 3),
-                       gather_blocks=transfer.gather_ctas(cache.stats.unit_bytes),
-                       pcie_gb_s=round(moved / gather_ms / 1e6, 1) if gather_ms > 0 else None)
+            row.update(
+                hit_rate=round(hit_rate, 3),
+                hit_rate_bound=round(resident / (cfg.k - 1), 3),
+                mb_per_step=round(moved / 1e6, 2),
+                gather_ms=round(gather_ms, 3),
+                gather_blocks=offload_kernels.gather_ctas(cache.stats.unit_bytes),
+                pcie_gb_s=round(moved / gather_ms / 1e6, 1) if gather_ms > 0 else None,
+            )
             if cuda:
-                row["gather_over_bound"] = round(gather_ms / (moved / pcie / 1e6), 2)  # bound: bytes / contiguous GB/s
+                row["gather_over_bound"] = round(
+                    gather_ms / (moved / pcie / 1e6), 2
+                )  # bound: bytes / contiguous GB/s
         if cuda:  # the bound: what the step must read from HBM, and move over PCIe, at the measured bandwidths
             elt, rows_ = torch.finfo(dtype).bits // 8, Bz * cfg.n_layer * cfg.H_kv
             if not cfg.sparse:  # every cached token's K and V
                 kv = rows_ * prompt_len * 2 * cfg.head_dim * elt
             else:  # the k selected blocks' K, V and bias, and the compressed keys scoring reads
-                kv = rows_ * (cfg.k * cfg.B * (2 * cfg.head_dim * elt + 4) + prompt_len // cfg.s_c * cfg.head_dim * elt)
+                kv = rows_ * (
+                    cfg.k * cfg.B * (2 * cfg.head_dim * elt + 4)
+                    + prompt_len // cfg.s_c * cfg.head_dim * elt
+                )
             bound_ms = (weights + kv) / hbm / 1e6 + (moved / pcie / 1e6 if use_offload else 0.0)
-            row.update(bound_ms=round(bound_ms, 2), step_over_bound=round(graph_s * 1e3 / bound_ms, 2),
-                       hbm_share=round((weights + kv) / graph_s / 1e9 / hbm, 3))
+            row.update(
+                bound_ms=round(bound_ms, 2),
+                step_over_bound=round(graph_s * 1e3 / bound_ms, 2),
+                hbm_share=round((weights + kv) / graph_s / 1e9 / hbm, 3),
+            )
         if cuda:
             row.update(hbm_gb_s=round(hbm, 1), pcie_contiguous_gb_s=round(pcie, 1))
         print(row, flush=True)
         cache = model = graphed = None  # freed before the next system's
         if cuda:
             torch.cuda.empty_cache()
-            getattr(torch._C, "_host_emptyCache", lambda: None)()  # hand the pinned store back before the next one
+            getattr(
+                torch._C, "_host_emptyCache", lambda: None
+            )()  # hand the pinned store back before the next one
     return rows

@@ -13,20 +13,34 @@ import fast  # noqa: E402 (after TRITON_INTERPRET)
 from config import Config  # noqa: E402
 from kvcache import KVCache  # noqa: E402
 from model import Transformer  # noqa: E402
+from prefill import prefill  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def _seed_and_threads():
     torch.manual_seed(0)
-    threads, fuse = torch.get_num_threads(), (fast.FUSE, fast.FUSE_PREFILL)
+    threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)  # generate.cli runs on one thread on CPU; the other tests do not
-    fast.FUSE, fast.FUSE_PREFILL = fuse  # fast.prepare decides them per run
 
 
 # k*B = 64 tokens: sequences of 300+ tokens cross many block boundaries with sparsity active
-small = dict(n_layer=2, dim=64, H_q=4, H_kv=2, head_dim=16, hidden_dim=96, vocab_size=97,
-             B=8, l_c=4, s_c=2, n_sink=1, n_win=2, k=8, k_q=2)
+small = dict(
+    n_layer=2,
+    dim=64,
+    H_q=4,
+    H_kv=2,
+    head_dim=16,
+    hidden_dim=96,
+    vocab_size=97,
+    B=8,
+    l_c=4,
+    s_c=2,
+    n_sink=1,
+    n_win=2,
+    k=8,
+    k_q=2,
+)
 
 
 def make_model(attn, dtype, **kw):
@@ -43,11 +57,13 @@ def decode_logits(model, idx, prompt_lens, cache=None, graphed=False, micro_batc
     fast.GraphedDecode if graphed, in micro-batches if asked; the prompts `chunk` tokens at a time);
     returns the logits at every position from
     the last prompt token on, per sequence. The cache defaults to a growing KVCache on idx's device."""
-    cache = cache or KVCache(model.cfg, len(prompt_lens), idx.device, model.embed_tokens.weight.dtype)
+    cache = cache or KVCache(
+        model.cfg, len(prompt_lens), idx.device, model.embed_tokens.weight.dtype
+    )
     out = [[] for _ in prompt_lens]
     with torch.no_grad():
         for i, P in enumerate(prompt_lens):
-            out[i].append(model.prefill(idx[i:i + 1, :P], cache, i, chunk))
+            out[i].append(prefill(model, idx[i : i + 1, :P], cache, i, chunk))
         decode = fast.GraphedDecode(model, cache, micro_batches)
         decode = decode if graphed else decode.step
         for s in range(idx.shape[1] - max(prompt_lens)):

@@ -1,5 +1,6 @@
 """python -m bench throughput on CPU (random weights, small sizes): the memory model, the locality bound
 in the measured hit rate, and the rows it reports. Speed is measured on the GPU, not here."""
+
 import pytest
 import torch
 
@@ -11,23 +12,51 @@ def test_throughput_bench_small():
     """On CPU, or on a GPU, with a budget small enough that the caches, not the batch cap, set the
     batch (on a GPU it also holds the weights and the measured activations)."""
     budget_gb = 0.25 if torch.cuda.is_available() else 0.02
-    rows = bench_throughput(shape="tiny", prompt_len=512, budget_gb=budget_gb, steps=4, warmup=1, eager_steps=2,
-                            batch_limit=4096)
+    rows = bench_throughput(
+        shape="tiny",
+        prompt_len=512,
+        budget_gb=budget_gb,
+        steps=4,
+        warmup=1,
+        eager_steps=2,
+        batch_limit=4096,
+    )
     by = {r["system"]: r for r in rows}
-    assert set(by) == {"full, resident cache", "infllmv2 + offload", "nosa + offload", "nosa, resident cache"}
-    assert by["nosa + offload"]["batch"] > by["nosa, resident cache"]["batch"] > 0  # offload fits more sequences
+    assert set(by) == {
+        "full, resident cache",
+        "infllmv2 + offload",
+        "nosa + offload",
+        "nosa, resident cache",
+    }
+    assert (
+        by["nosa + offload"]["batch"] > by["nosa, resident cache"]["batch"] > 0
+    )  # offload fits more sequences
     cfg = Config.from_preset("tiny")
     # the theorem: the k_e query-agnostic blocks of the k - 1 selected non-tail blocks are resident
-    assert by["nosa + offload"]["hit_rate"] >= by["nosa + offload"]["hit_rate_bound"] == round(cfg.k_e / (cfg.k - 1), 3)
+    assert (
+        by["nosa + offload"]["hit_rate"]
+        >= by["nosa + offload"]["hit_rate_bound"]
+        == round(cfg.k_e / (cfg.k - 1), 3)
+    )
     nosa = by["nosa + offload"]
-    unit_mb = 2 * cfg.B * cfg.head_dim * (2 if torch.cuda.is_available() else 4) / 1e6  # K and V of one block
+    unit_mb = (
+        2 * cfg.B * cfg.head_dim * (2 if torch.cuda.is_available() else 4) / 1e6
+    )  # K and V of one block
     # at most k_q - 1 new blocks per (sequence, layer, KV head) and step
-    assert 0 < nosa["mb_per_step"] <= round((cfg.k_q - 1) * nosa["batch"] * cfg.n_layer * cfg.H_kv * unit_mb, 2)
+    assert (
+        0
+        < nosa["mb_per_step"]
+        <= round((cfg.k_q - 1) * nosa["batch"] * cfg.n_layer * cfg.H_kv * unit_mb, 2)
+    )
     for r in rows:
         # both are rounded (tokens/s to 0.1, the step to 0.01 ms): a slow CPU gives a few tokens/s
         assert r["tokens_s"] == pytest.approx(r["batch"] / r["step_ms"] * 1e3, rel=0.01, abs=0.05)
-        assert all(r[f"{p}_ms"] >= 0 for p in PHASES) and r["weights_ms"] > 0 and r["attention_ms"] > 0
-    assert by["full, resident cache"]["selection_ms"] == by["full, resident cache"]["transfer_ms"] == 0
+        assert (
+            all(r[f"{p}_ms"] >= 0 for p in PHASES) and r["weights_ms"] > 0 and r["attention_ms"] > 0
+        )
+    assert (
+        by["full, resident cache"]["selection_ms"] == by["full, resident cache"]["transfer_ms"] == 0
+    )
     assert by["nosa + offload"]["transfer_ms"] > 0 and by["nosa + offload"]["mb_per_step"] > 0
 
 
@@ -35,15 +64,23 @@ def test_eviction_diagnostic_finds_planted_blocks():
     """Where the bias c makes attention go to a few old blocks, the core chosen by E holds (nearly)
     all of the candidates' attention mass, recency and random choices little of it."""
     from bench.eviction import layer_shares, mass_share
-    assert mass_share(torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([False, True, False, True]),
-                      torch.tensor([True, True, False, True])).item() == pytest.approx(6.0 / 7.0)
-    cfg = Config.from_preset("tiny", B=8, l_c=4, s_c=2, n_sink=1, n_win=2, k=8, k_q=2, H_q=4, H_kv=2, head_dim=16)
+
+    assert mass_share(
+        torch.tensor([1.0, 2.0, 3.0, 4.0]),
+        torch.tensor([False, True, False, True]),
+        torch.tensor([True, True, False, True]),
+    ).item() == pytest.approx(6.0 / 7.0)
+    cfg = Config.from_preset(
+        "tiny", B=8, l_c=4, s_c=2, n_sink=1, n_win=2, k=8, k_q=2, H_q=4, H_kv=2, head_dim=16
+    )
     T = 400
     q, k = 0.1 * torch.randn(1, 4, T, 16), 0.1 * torch.randn(1, 2, T, 16)
     c = torch.zeros(1, 2, T)
     for b in (2, 5, 9):  # three old blocks that every later query should attend to
-        c[..., b * cfg.B:(b + 1) * cfg.B] = 8.0
-    by_e, by_recency, at_random = layer_shares(q, k, c, cfg, cfg.k * cfg.B, torch.Generator().manual_seed(0))
+        c[..., b * cfg.B : (b + 1) * cfg.B] = 8.0
+    by_e, by_recency, at_random = layer_shares(
+        q, k, c, cfg, cfg.k * cfg.B, torch.Generator().manual_seed(0)
+    )
     assert by_e > 0.99 and by_recency < 0.2 and at_random < 0.5
 
 
@@ -57,12 +94,13 @@ def test_eviction_at_the_question_finds_a_planted_fact(monkeypatch):
     import eviction
     import tasks
     from bench.recall import eviction_at_the_question, value_at
+
     model, tok = checkpoint.load(checkpoint.DEFAULT_CHECKPOINT)
     filler = np.array(tok.encode(open(tasks.__file__).read() * 20).ids)
     case = tasks.make_task("passkey", tok, filler, 500, 400, np.random.default_rng(0))
     ids, at, n, fact_at = case
     v = value_at(case)
-    assert fact_at < v < at and ids[v:v + n].tolist() == ids[at:].tolist()
+    assert fact_at < v < at and ids[v : v + n].tolist() == ids[at:].tolist()
     with torch.no_grad():
         own = eviction_at_the_question(model, ids.tolist(), at - 1, v, n)
     assert all(0 <= r["E_rank_fact"] <= 1 and 0 <= r["dense_fact"] <= 1 for r in own.values())
@@ -70,12 +108,15 @@ def test_eviction_at_the_question_finds_a_planted_fact(monkeypatch):
 
     def planted(values, A, W):
         c = torch.zeros_like(score(values, A, W))
-        c[..., v:v + n] = 30.0  # as a bias inside the softmax it outweighs any logit of the model
+        c[..., v : v + n] = 30.0  # as a bias inside the softmax it outweighs any logit of the model
         return c
+
     monkeypatch.setattr(eviction, "eviction_score", planted)
     with torch.no_grad():
         rows = eviction_at_the_question(model, ids.tolist(), at - 1, v, n)
-    assert all(r["c_fact_z"] > 3 and r["E_rank_fact"] == 1 and r["dense_fact"] > 0.9 for r in rows.values()), rows
+    assert all(
+        r["c_fact_z"] > 3 and r["E_rank_fact"] == 1 and r["dense_fact"] > 0.9 for r in rows.values()
+    ), rows
 
 
 def test_gradient_on_the_value_is_the_loss_derivative():
@@ -88,6 +129,7 @@ def test_gradient_on_the_value_is_the_loss_derivative():
     import checkpoint
     import tasks
     from bench.recall import gradient_on_the_value, value_at
+
     model, tok = checkpoint.load(checkpoint.DEFAULT_CHECKPOINT)
     model = model.double()
     filler = np.array(tok.encode(open(tasks.__file__).read() * 20).ids)
@@ -95,7 +137,9 @@ def test_gradient_on_the_value_is_the_loss_derivative():
     ids, at, n, _ = case
     on, elsewhere = gradient_on_the_value(model, case)
     eps = 1e-4
-    slope = (gradient_on_the_value(model, case, eps) - gradient_on_the_value(model, case, -eps)) / (2 * eps)
+    slope = (gradient_on_the_value(model, case, eps) - gradient_on_the_value(model, case, -eps)) / (
+        2 * eps
+    )
     entries = n * model.cfg.n_layer * model.cfg.H_kv  # on is a mean of -dL/dc over these
     assert value_at(case) > case[3] and elsewhere > 0
     assert slope == pytest.approx(-on * entries, rel=1e-4, abs=1e-9)
@@ -108,13 +152,22 @@ def test_quality_bench_on_the_embedded_model(tmp_path):
 
     import checkpoint
     from bench.quality import bench_quality
+
     shutil.copytree(checkpoint.DEFAULT_CHECKPOINT, tmp_path / "tiny-nosa")
     with pytest.raises(ValueError, match="unknown system"):
         bench_quality(tmp_path, systems=("nosa", "sliding"))
-    with pytest.raises(FileNotFoundError, match="train.py --attn full"):  # the default judge is tiny-full
+    with pytest.raises(
+        FileNotFoundError, match="train.py --attn full"
+    ):  # the default judge is tiny-full
         bench_quality(tmp_path, systems=("nosa",))
-    (row,) = bench_quality(tmp_path, systems=("nosa",), judge=checkpoint.DEFAULT_CHECKPOINT, gen_len=300, windows=2,
-                           n_prompts=2)
+    (row,) = bench_quality(
+        tmp_path,
+        systems=("nosa",),
+        judge=checkpoint.DEFAULT_CHECKPOINT,
+        gen_len=300,
+        windows=2,
+        n_prompts=2,
+    )
     cfg = checkpoint.load(checkpoint.DEFAULT_CHECKPOINT)[0].cfg
     assert row["val_loss_sparse_part"] < 3.5  # an untrained model: ln(vocab) = 8.3
     assert cfg.k_e / (cfg.k - 1) <= row["hit_rate"] <= 1
@@ -126,24 +179,42 @@ def test_requests_bench_small():
     the memory plan, the composition of static batches adds up, and offloading fits more sequences than full
     attention."""
     from bench.requests import bench_requests, compose
+
     ttft, total = compose(5, 2, 10, 1.0, 0.1)
     assert ttft == [1.0, 2.0, 3.9, 4.9, 6.8] and total == pytest.approx(5 * 1.0 + 3 * 9 * 0.1)
     ttft, total = compose(5, 2, 10, 1.0, 0.1, 0.05)  # the last batch, of one, steps faster
-    assert ttft == [1.0, 2.0, 3.9, 4.9, 6.8] and total == pytest.approx(5 * 1.0 + 2 * 9 * 0.1 + 9 * 0.05)
+    assert ttft == [1.0, 2.0, 3.9, 4.9, 6.8] and total == pytest.approx(
+        5 * 1.0 + 2 * 9 * 0.1 + 9 * 0.05
+    )
     import memory
+
     cfg, P, G = Config.from_preset("tiny", attn="full"), 600, 16
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32  # what the bench runs in
-    weights = dtype.itemsize * sum(p.numel() for p in __import__("model").Transformer(cfg).parameters())
-    need = lambda n: weights + memory.cache_bytes(cfg, n, P + G, dtype, False)[0] + max(
-        memory.decode_bytes(cfg, n, P + G, dtype), memory.prefill_bytes(cfg, P, 512, dtype))
+    weights = dtype.itemsize * sum(
+        p.numel() for p in __import__("model").Transformer(cfg).parameters()
+    )
+    need = lambda n: (
+        weights
+        + memory.cache_bytes(cfg, n, P + G, dtype, False)[0]
+        + max(memory.decode_bytes(cfg, n, P + G, dtype), memory.prefill_bytes(cfg, P, 512, dtype))
+    )
     budget = (need(2) + need(3)) / 2 / 2**30  # full attention fits 2 sequences
-    rows = bench_requests(shape="tiny", prompt_len=P, new_tokens=(G,), requests=5, budget_gb=budget, steps=2,
-                          systems=("nosa-offload", "full"))
+    rows = bench_requests(
+        shape="tiny",
+        prompt_len=P,
+        new_tokens=(G,),
+        requests=5,
+        budget_gb=budget,
+        steps=2,
+        systems=("nosa-offload", "full"),
+    )
     by = {r["system"]: r for r in rows}
     assert by["nosa + offload"]["batch"] > by["full, resident cache"]["batch"] == 2
     for r in rows:
         assert r["G16"]["total_s"] > 0 and r["decode_tokens_s"] > 0 and r["ttft_one_s"] > 0
-        assert ("last_batch" in r) == (5 % r["batch"] > 0 and r["batch"] < 5)  # a smaller last batch: its own step
+        assert ("last_batch" in r) == (
+            5 % r["batch"] > 0 and r["batch"] < 5
+        )  # a smaller last batch: its own step
         if "last_batch" in r:
             assert r["last_batch"] == 5 % r["batch"] and r["last_step_ms"] > 0
     assert by["full, resident cache"]["G16"]["vs_full"] == 1.0
@@ -152,8 +223,11 @@ def test_requests_bench_small():
 def test_eviction_bench_on_the_embedded_model():
     """python -m bench eviction end to end (one short window): a share per layer, each between 0 and 1."""
     from bench.eviction import bench_eviction
+
     rows = bench_eviction(windows=1, T=400)
-    assert len(rows) == 4 and all(0 <= r[k] <= 1 for r in rows for k in ("core_by_E", "by_recency", "at_random"))
+    assert len(rows) == 4 and all(
+        0 <= r[k] <= 1 for r in rows for k in ("core_by_E", "by_recency", "at_random")
+    )
 
 
 def test_recall_bench_on_the_embedded_model(tmp_path, monkeypatch):
@@ -165,14 +239,26 @@ def test_recall_bench_on_the_embedded_model(tmp_path, monkeypatch):
 
     import checkpoint
     from bench.recall import bench_recall
+
     shutil.copytree(checkpoint.DEFAULT_CHECKPOINT, tmp_path / "tiny-nosa")
     cfg = checkpoint.load(checkpoint.DEFAULT_CHECKPOINT)[0].cfg
-    far = cfg.max_seq_len - 64  # cases of max_seq_len tokens: with the longest answer after every prompt, too long
-    rows = bench_recall(tmp_path, systems=("nosa",), distances=(100, 400, far), n=3, where_cases=2,
-                        json_path=tmp_path / "rows.json")
-    assert [r["distance"] for r in rows] == [100, 400] and all(0 <= r["accuracy"] <= 1 for r in rows)
+    far = (
+        cfg.max_seq_len - 64
+    )  # cases of max_seq_len tokens: with the longest answer after every prompt, too long
+    rows = bench_recall(
+        tmp_path,
+        systems=("nosa",),
+        distances=(100, 400, far),
+        n=3,
+        where_cases=2,
+        json_path=tmp_path / "rows.json",
+    )
+    assert [r["distance"] for r in rows] == [100, 400] and all(
+        0 <= r["accuracy"] <= 1 for r in rows
+    )
     assert json.load(open(tmp_path / "rows.json")) == rows
     import generate  # a run that stops in its second bin has written the first
+
     calls, real = [], generate.generate
 
     def stop_in_the_second_bin(*args, **kw):
@@ -180,14 +266,23 @@ def test_recall_bench_on_the_embedded_model(tmp_path, monkeypatch):
         if len(calls) == 2:
             raise KeyboardInterrupt
         return real(*args, **kw)
+
     monkeypatch.setattr(generate, "generate", stop_in_the_second_bin)
     with pytest.raises(KeyboardInterrupt):
-        bench_recall(tmp_path, systems=("nosa",), distances=(100, 400), n=3, where_cases=2,
-                     json_path=tmp_path / "stopped.json")
+        bench_recall(
+            tmp_path,
+            systems=("nosa",),
+            distances=(100, 400),
+            n=3,
+            where_cases=2,
+            json_path=tmp_path / "stopped.json",
+        )
     assert json.load(open(tmp_path / "stopped.json")) == rows[:1]
     for r in rows:
         assert cfg.k_e / (cfg.k - 1) <= r["hit_rate"] <= 1
-        assert sum(r[f"fact_{k}"] for k in ("forced", "Q", "E", "none")) == pytest.approx(1, abs=0.01)
+        assert sum(r[f"fact_{k}"] for k in ("forced", "Q", "E", "none")) == pytest.approx(
+            1, abs=0.01
+        )
     assert rows[0]["fact_forced"] == 1  # at 100 tokens every block is selected (k·B = 256)
     assert rows[1]["fact_forced"] < 1  # at 400 the fact lies past the window
     assert 0 <= rows[1]["dense_fact"] <= 1 and 0 <= rows[1]["E_rank_fact"] <= 1
@@ -200,17 +295,28 @@ def test_head_only_training_moves_the_head_alone():
 
     import checkpoint
     from bench.recall import bench_head, held_out_tokens, train_head
+
     model, tok = checkpoint.load(checkpoint.DEFAULT_CHECKPOINT, dtype=torch.float32)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     val = held_out_tokens(checkpoint.DEFAULT_CHECKPOINT, tok)
     losses = train_head(model, tok, val, 2, np.random.default_rng(0), batch=1, length=400)
     assert len(losses) == 2 and all(np.isfinite(losses))
     moved = {k for k, v in model.state_dict().items() if not torch.equal(v, before[k])}
-    assert moved and all(k.endswith(("self_attn.A", "self_attn.delta.weight")) for k in moved), moved
+    assert moved and all(k.endswith(("self_attn.A", "self_attn.delta.weight")) for k in moved), (
+        moved
+    )
     rows = bench_head(steps=1, distances=(300,), n=2, where_cases=1)
-    assert [(r["init"], r["phase"]) for r in rows] == [("as trained", "before"), ("as trained", "after"),
-                                                      ("A = 1, W_δ = 0", "before"), ("A = 1, W_δ = 0", "after")]
-    assert rows[2]["c_fact_z"] is None and rows[3]["c_fact_z"] is not None and rows[2]["mean_abs_A"] == 1
+    assert [(r["init"], r["phase"]) for r in rows] == [
+        ("as trained", "before"),
+        ("as trained", "after"),
+        ("A = 1, W_δ = 0", "before"),
+        ("A = 1, W_δ = 0", "after"),
+    ]
+    assert (
+        rows[2]["c_fact_z"] is None
+        and rows[3]["c_fact_z"] is not None
+        and rows[2]["mean_abs_A"] == 1
+    )
     for r in rows:
         assert np.isfinite(r["answer_loss"]) and np.isfinite(r["text_loss"])
         assert sum(r[f"fact_{k}"] for k in ("Q", "E", "none")) <= 1 + 1e-9
@@ -221,6 +327,7 @@ def test_distances_flag():
     import argparse
 
     from bench.__main__ import positive_ints
+
     assert positive_ints("128,256,4000") == (128, 256, 4000)
     for bad in ("x", "0,5", "", "128,"):
         with pytest.raises(argparse.ArgumentTypeError, match="positive whole numbers"):

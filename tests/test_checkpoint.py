@@ -1,5 +1,6 @@
 """Loading released NOSA checkpoints in the Hugging Face Llama layout, from a small
 random checkpoint written here in exactly that layout: sharded safetensors with an index."""
+
 import json
 import os
 
@@ -13,12 +14,27 @@ from generate import generate
 from kvcache import KVCache
 from model import Transformer
 from offload import OffloadCache
+from prefill import prefill
 
-HF_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 96,
-             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-             "vocab_size": 300, "max_position_embeddings": 2048, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
-             "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False, "rope_scaling": None,
-             "torch_dtype": "bfloat16"}
+HF_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 300,
+    "max_position_embeddings": 2048,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "rope_scaling": None,
+    "torch_dtype": "bfloat16",
+}
 SMALL_NOSA = dict(B=8, l_c=4, s_c=2, n_sink=1, n_win=2, k=8, k_q=2)
 
 
@@ -32,8 +48,10 @@ def write_hf_checkpoint(path, hf_config=HF_CONFIG, drop=None, add=None, reshape=
     for m in model.modules():
         if hasattr(m, "A"):
             torch.nn.init.normal_(m.A)
-    sd = {("" if k.startswith("lm_head") else "model.") + k: v.to(torch.bfloat16)
-          for k, v in model.state_dict().items()}
+    sd = {
+        ("" if k.startswith("lm_head") else "model.") + k: v.to(torch.bfloat16)
+        for k, v in model.state_dict().items()
+    }
     if drop:
         sd.pop(drop)
     if add:
@@ -41,18 +59,32 @@ def write_hf_checkpoint(path, hf_config=HF_CONFIG, drop=None, add=None, reshape=
     if reshape:
         sd[reshape] = torch.zeros(5, 5)
     names = sorted(sd)
-    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
-              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[: len(names) // 2],
+        "model-00002-of-00002.safetensors": names[len(names) // 2 :],
+    }
     for fname, keys in shards.items():
-        save_file({k: sd[k].contiguous() for k in keys}, os.path.join(path, fname), metadata={"format": "pt"})
+        save_file(
+            {k: sd[k].contiguous() for k in keys},
+            os.path.join(path, fname),
+            metadata={"format": "pt"},
+        )
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {}, "weight_map": {k: fn for fn, ks in shards.items() for k in ks}}, f)
+        json.dump(
+            {"metadata": {}, "weight_map": {k: fn for fn, ks in shards.items() for k in ks}}, f
+        )
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf_config, f)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.train_from_iterator(["def f(x):\n    return x + 1\n"] * 20, trainers.BpeTrainer(
-        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok.train_from_iterator(
+        ["def f(x):\n    return x + 1\n"] * 20,
+        trainers.BpeTrainer(
+            vocab_size=300,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     tok.save(os.path.join(path, "tokenizer.json"))
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump({"chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}, f)
@@ -67,7 +99,9 @@ def test_hf_checkpoint_loads_exactly(tmp_path):
     got = model.state_dict()
     assert len(got) == len(sd)
     for name, t in sd.items():
-        assert torch.equal(got[name.removeprefix("model.")], t), name  # every tensor arrived exactly
+        assert torch.equal(got[name.removeprefix("model.")], t), (
+            name
+        )  # every tensor arrived exactly
     assert model.chat_template.startswith("{% for m in messages")
     assert tok.encode("def f(x):").ids
 
@@ -82,22 +116,46 @@ def test_hf_checkpoint_generates_same_logits_as_direct_model(tmp_path):
         torch.testing.assert_close(loaded(idx), direct(idx), rtol=0, atol=0)
         prompts = [idx[0, :50].tolist(), idx[0, 60:90].tolist()]  # a batch of two lengths
         want = generate(direct, prompts, 100)
-        assert generate(loaded, prompts, 100, cache=KVCache(loaded.cfg, 2, "cpu", torch.float32)) == want
-        assert generate(loaded, prompts, 100, cache=OffloadCache(loaded.cfg, 2, "cpu", torch.float32)) == want
+        assert (
+            generate(loaded, prompts, 100, cache=KVCache(loaded.cfg, 2, "cpu", torch.float32))
+            == want
+        )
+        assert (
+            generate(loaded, prompts, 100, cache=OffloadCache(loaded.cfg, 2, "cpu", torch.float32))
+            == want
+        )
 
 
-@pytest.mark.parametrize("kind, kw, msg", [
-    ("missing", dict(drop="model.layers.1.self_attn.A"), "missing tensor layers.1.self_attn.A"),
-    ("unexpected", dict(add="model.layers.0.self_attn.rotary_emb.inv_freq"),
-     "unexpected tensor layers.0.self_attn.rotary_emb"),
-    ("shape", dict(reshape="model.norm.weight"), r"norm.weight has shape \(5, 5\)"),
-    ("rope", dict(hf_config={**HF_CONFIG, "rope_scaling": {"rope_type": "yarn", "factor": 8.0}}), "rope_type='yarn'"),
-    ("rope_new", dict(hf_config={**HF_CONFIG, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}),
-     "'dynamic'"),
-    ("llama3_lacks", dict(hf_config={**HF_CONFIG, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}),
-     "lacks low_freq_factor"),
-    ("bias", dict(hf_config={**HF_CONFIG, "attention_bias": True}), "attention_bias=True"),
-])
+@pytest.mark.parametrize(
+    "kind, kw, msg",
+    [
+        ("missing", dict(drop="model.layers.1.self_attn.A"), "missing tensor layers.1.self_attn.A"),
+        (
+            "unexpected",
+            dict(add="model.layers.0.self_attn.rotary_emb.inv_freq"),
+            "unexpected tensor layers.0.self_attn.rotary_emb",
+        ),
+        ("shape", dict(reshape="model.norm.weight"), r"norm.weight has shape \(5, 5\)"),
+        (
+            "rope",
+            dict(hf_config={**HF_CONFIG, "rope_scaling": {"rope_type": "yarn", "factor": 8.0}}),
+            "rope_type='yarn'",
+        ),
+        (
+            "rope_new",
+            dict(
+                hf_config={**HF_CONFIG, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}
+            ),
+            "'dynamic'",
+        ),
+        (
+            "llama3_lacks",
+            dict(hf_config={**HF_CONFIG, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}),
+            "lacks low_freq_factor",
+        ),
+        ("bias", dict(hf_config={**HF_CONFIG, "attention_bias": True}), "attention_bias=True"),
+    ],
+)
 def test_bad_hf_checkpoints_are_named(tmp_path, kind, kw, msg):
     path = str(tmp_path / kind)
     write_hf_checkpoint(path, **{"hf_config": HF_CONFIG, **kw})
@@ -112,24 +170,47 @@ def test_nosa_checkpoint_decodes_training_free_in_other_modes(tmp_path):
     assert model.cfg.attn == "infllmv2" and not hasattr(model.layers[0].self_attn, "A")
 
 
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 256}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 256,
+}
 
 
 def test_hf_rope_layouts():
     """The RoPE base and scaling at the top level (older tools) or in rope_parameters (current ones)."""
     base = {k: v for k, v in HF_CONFIG.items() if k not in ("rope_theta", "rope_scaling")}
-    new = checkpoint.config_from_hf({**base, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}})
+    new = checkpoint.config_from_hf(
+        {**base, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}}
+    )
     old = checkpoint.config_from_hf({**base, "rope_theta": 500000.0})
-    assert new.rope_theta == old.rope_theta == 500000.0 and new.rope_scaling is old.rope_scaling is None
+    assert (
+        new.rope_theta == old.rope_theta == 500000.0
+        and new.rope_scaling is old.rope_scaling is None
+    )
     scaled = checkpoint.config_from_hf({**base, "rope_parameters": {"rope_theta": 5e5, **LLAMA3}})
-    assert scaled.rope_scaling == {**LLAMA3, "original_max_position_embeddings": 256.0} and scaled.rope_theta == 5e5
-    assert checkpoint.config_from_hf({**base, "rope_scaling": LLAMA3}).rope_scaling == scaled.rope_scaling
+    assert (
+        scaled.rope_scaling == {**LLAMA3, "original_max_position_embeddings": 256.0}
+        and scaled.rope_theta == 5e5
+    )
+    assert (
+        checkpoint.config_from_hf({**base, "rope_scaling": LLAMA3}).rope_scaling
+        == scaled.rope_scaling
+    )
     assert checkpoint.config_from_hf(base).rope_theta == 10000.0  # Hugging Face's default
 
 
-@pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 4.0}, LLAMA3,
-                                     {**LLAMA3, "factor": 32.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0}])
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        None,
+        {"rope_type": "linear", "factor": 4.0},
+        LLAMA3,
+        {**LLAMA3, "factor": 32.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0},
+    ],
+)
 def test_scaled_rope_against_its_formula(scaling):
     """Each frequency and the rotation of random q at random positions against the formulas, written
     out one frequency at a time."""
@@ -137,6 +218,7 @@ def test_scaled_rope_against_its_formula(scaling):
 
     from config import Config
     from model import apply_rope, rope_frequencies, rope_tables
+
     cfg = Config.from_preset("tiny", head_dim=64, rope_theta=5e5, rope_scaling=scaling)
     got = rope_frequencies(cfg, "cpu")
     for i, f in enumerate(got.tolist()):
@@ -158,28 +240,40 @@ def test_scaled_rope_against_its_formula(scaling):
                 want = (1 - s) * base / scaling["factor"] + s * base
         assert math.isclose(f, want, rel_tol=1e-12), (i, f, want)
     if scaling is not None:
-        assert not torch.allclose(got, rope_frequencies(Config.from_preset("tiny", head_dim=64, rope_theta=5e5), "cpu"))
+        assert not torch.allclose(
+            got, rope_frequencies(Config.from_preset("tiny", head_dim=64, rope_theta=5e5), "cpu")
+        )
     x, pos = torch.randn(2, 3, 5, 64, dtype=torch.float64), torch.randint(0, 100000, (2, 5))
     y = apply_rope(x, rope_tables(pos, got, torch.float64))
     for b, h, t in ((0, 0, 0), (1, 2, 4), (1, 1, 2)):
         for i in (0, 7, 31):
             a = pos[b, t].item() * got[i].item()
             x1, x2 = x[b, h, t, i].item(), x[b, h, t, i + 32].item()
-            assert math.isclose(y[b, h, t, i].item(), x1 * math.cos(a) - x2 * math.sin(a), abs_tol=1e-9)
-            assert math.isclose(y[b, h, t, i + 32].item(), x2 * math.cos(a) + x1 * math.sin(a), abs_tol=1e-9)
+            assert math.isclose(
+                y[b, h, t, i].item(), x1 * math.cos(a) - x2 * math.sin(a), abs_tol=1e-9
+            )
+            assert math.isclose(
+                y[b, h, t, i + 32].item(), x2 * math.cos(a) + x1 * math.sin(a), abs_tol=1e-9
+            )
 
 
 def test_hf_checkpoint_with_llama3_rope_decodes_like_its_parallel_forward(tmp_path):
     path = str(tmp_path / "llama3")
-    write_hf_checkpoint(path, hf_config={**HF_CONFIG, "rope_scaling": None,
-                                         "rope_parameters": {"rope_theta": 5e5, **LLAMA3}})
+    write_hf_checkpoint(
+        path,
+        hf_config={
+            **HF_CONFIG,
+            "rope_scaling": None,
+            "rope_parameters": {"rope_theta": 5e5, **LLAMA3},
+        },
+    )
     model, _ = checkpoint.load(path, dtype=torch.float64, **SMALL_NOSA)
     assert model.cfg.rope_scaling["rope_type"] == "llama3"
     idx = torch.randint(0, 300, (1, 150))
     with torch.no_grad():
         ref = model(idx)
         cache = KVCache(model.cfg, 1, "cpu", torch.float64)
-        model.prefill(idx[:, :100], cache, 0)
+        prefill(model, idx[:, :100], cache, 0)
         dec = torch.stack([model.decode(idx[:, t], cache)[0] for t in range(100, 150)])
     torch.testing.assert_close(dec[:-1], ref[0, 100:149], rtol=0, atol=1e-9)
 

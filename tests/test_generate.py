@@ -1,4 +1,5 @@
 """The main job of the README: generate.py on the embedded model, with and without offload."""
+
 import os
 import sysconfig
 
@@ -23,7 +24,9 @@ def test_embedded_model_knows_python():
 
 @pytest.mark.parametrize("offload", [False, True])
 def test_generate_main(offload, capsys):
-    out = generate.main(max_new_tokens=40, batch=2, temperature=0.0, offload=offload, device="cpu", quiet=True)
+    out = generate.main(
+        max_new_tokens=40, batch=2, temperature=0.0, offload=offload, device="cpu", quiet=True
+    )
     assert len(out) == 2 and len(out[0]) == 40 and out[0] == out[1]  # greedy: both sequences agree
     printed = capsys.readouterr().out
     assert "tokens/sec:" in printed
@@ -33,8 +36,13 @@ def test_generate_main(offload, capsys):
 def test_generate_main_ragged_prompts(capsys):
     """Different prompts in one batch: each sequence continues its own prompt, offloaded or not."""
     prompts = ["import os\n", "def add(a, b):\n    return a + b\n\n\nclass Point:"]
-    a = generate.main(prompt=prompts, max_new_tokens=30, temperature=0.0, offload=True, device="cpu", quiet=True)
-    b = [generate.main(prompt=p, max_new_tokens=30, temperature=0.0, device="cpu", quiet=True)[0] for p in prompts]
+    a = generate.main(
+        prompt=prompts, max_new_tokens=30, temperature=0.0, offload=True, device="cpu", quiet=True
+    )
+    b = [
+        generate.main(prompt=p, max_new_tokens=30, temperature=0.0, device="cpu", quiet=True)[0]
+        for p in prompts
+    ]
     assert a == b
     assert "prompts of 3-" in capsys.readouterr().out
 
@@ -47,33 +55,47 @@ def test_greedy_offload_matches_resident():
 
 def test_missing_checkpoint_is_one_clear_error():
     with pytest.raises(FileNotFoundError, match="no checkpoint directory at"):
-        generate.main(checkpoint_dir="/nonexistent/ckpt", max_new_tokens=5, device="cpu")
+        generate.main(checkpoint="/nonexistent/ckpt", max_new_tokens=5, device="cpu")
 
 
-@pytest.mark.parametrize("argv, msg", [
-    (["--batch", "0"], "--batch 0: must be at least 1"),
-    (["--batch", "-1"], "--batch -1"),
-    (["--temperature", "-1"], "--temperature -1.0"),
-    (["--top-k", "-1"], "--top-k -1"),
-    (["--max-new-tokens", "0"], "--max-new-tokens 0"),
-    (["--prompt-file", "BINARY"], "not UTF-8 text"),
-    (["--prompt-file", "/nonexistent/prompt.py"], "--prompt-file /nonexistent/prompt.py: No such file"),
-    (["--checkpoint", "/nonexistent/ckpt"], "no checkpoint directory at '/nonexistent/ckpt'"),
-    (["--max-new-tokens", "5000"], "exceeds max_seq_len"),
-] + ([(["--device", "cuda"], "sees no CUDA device")] if not torch.cuda.is_available() else []))
+@pytest.mark.parametrize(
+    "argv, msg",
+    [
+        (["--batch", "0"], "--batch 0: must be at least 1"),
+        (["--batch", "-1"], "--batch -1"),
+        (["--temperature", "-1"], "--temperature -1.0"),
+        (["--top-k", "-1"], "--top-k -1"),
+        (["--max-new-tokens", "0"], "--max-new-tokens 0"),
+        (["--prompt-file", "BINARY"], "not UTF-8 text"),
+        (
+            ["--prompt-file", "/nonexistent/prompt.py"],
+            "--prompt-file /nonexistent/prompt.py: No such file",
+        ),
+        (["--checkpoint", "/nonexistent/ckpt"], "no checkpoint directory at '/nonexistent/ckpt'"),
+        (["--max-new-tokens", "5000"], "exceeds max_seq_len"),
+    ]
+    + ([(["--device", "cuda"], "sees no CUDA device")] if not torch.cuda.is_available() else []),
+)
 def test_generate_flags_fail_in_one_line(argv, msg, capsys, tmp_path):
     binary = tmp_path / "prompt.bin"
     binary.write_bytes(bytes(range(256)) * 4)
     with pytest.raises(SystemExit) as e:
         generate.cli([str(binary) if a == "BINARY" else a for a in argv])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ") and msg in err, err
+    assert (
+        e.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ") and msg in err
+    ), err
 
 
 def test_chat_prompt_uses_the_template():
-    template = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
-                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-    assert generate.chat_prompt(template, "hi", {"bos_token": "<s>"}) == "<s><|user|>hi<|end|><|assistant|>"
+    template = (
+        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    assert (
+        generate.chat_prompt(template, "hi", {"bos_token": "<s>"})
+        == "<s><|user|>hi<|end|><|assistant|>"
+    )
     with pytest.raises(ValueError, match="chat template fails"):
         generate.chat_prompt("{{ raise_exception('only system roles') }}", "hi", {})
 
@@ -83,7 +105,9 @@ def test_single_prompt_streams_its_text(capsys):
     printed = capsys.readouterr().out
     model, tok = checkpoint.load(checkpoint.DEFAULT_CHECKPOINT, dtype=torch.float32)
     assert printed.startswith("def parse(" + tok.decode(out[0]) + "\n---\n")
-    assert model.eos_ids == {tok.token_to_id(checkpoint.EOT)}  # this format ends where a document ends
+    assert model.eos_ids == {
+        tok.token_to_id(checkpoint.EOT)
+    }  # this format ends where a document ends
 
 
 def test_cpu_generation_runs_on_one_thread(monkeypatch):
@@ -97,6 +121,7 @@ def test_cpu_generation_runs_on_one_thread(monkeypatch):
 
 def test_profile_trace_marks_the_parts_of_a_step(tmp_path):
     import json
+
     trace = tmp_path / "trace.json"
     generate.main(max_new_tokens=5, offload=True, device="cpu", quiet=True, profile=str(trace))
     names = {e.get("name") for e in json.load(open(trace))["traceEvents"]}
@@ -104,7 +129,9 @@ def test_profile_trace_marks_the_parts_of_a_step(tmp_path):
 
 
 def test_without_the_embedded_model_a_random_one_runs(monkeypatch, capsys):
-    monkeypatch.setattr(generate.os.path, "isdir", lambda p: False)  # as if checkpoints/ were missing
+    monkeypatch.setattr(
+        generate.os.path, "isdir", lambda p: False
+    )  # as if checkpoints/ were missing
     out = generate.main(max_new_tokens=5, offload=True, device="cpu", quiet=True)
     assert len(out[0]) == 5 and "randomly initialised" in capsys.readouterr().out
 
@@ -114,19 +141,31 @@ def test_memory_plan_picks_the_chunk_and_says_what_fits():
     gets the largest chunk that fits, and one sequence more is refused with the batch that does."""
     import memory
     from config import Config
+
     cfg = Config.from_preset("paper-8b")
     weights, P, budget = 15.66e9, 131072, 24 * 2**30
     with pytest.raises(MemoryError, match=r"at most \d+ sequences fit") as e:
         memory.plan_memory(cfg, weights, 40, P, P + 1024, torch.bfloat16, budget)
     n = int(str(e.value).split("at most ")[1].split()[0])
     chunk, on_host = memory.plan_memory(cfg, weights, n, P, P + 1024, torch.bfloat16, budget)
-    assert chunk in memory.PREFILL_CHUNKS and n >= 28  # the benchmark's batch, with a prefill beside it
-    assert memory.prefill_bytes(cfg, P, chunk, torch.bfloat16, on_host) < 3e9  # bounded by the chunk, not T x vocab
+    assert (
+        chunk in memory.PREFILL_CHUNKS and n >= 28
+    )  # the benchmark's batch, with a prefill beside it
+    assert (
+        memory.prefill_bytes(cfg, P, chunk, torch.bfloat16, on_host) < 3e9
+    )  # bounded by the chunk, not T x vocab
     with pytest.raises(MemoryError, match="at most"):
         memory.plan_memory(cfg, weights, n + 1, P, P + 1024, torch.bfloat16, budget)
     with pytest.raises(MemoryError, match="host KV store needs .* at most 1 sequences"):
-        memory.plan_memory(cfg, weights, 2, P, P, torch.bfloat16, host_budget=memory.cache_bytes(cfg, 1, P,
-                                                                                                   torch.bfloat16)[1])
+        memory.plan_memory(
+            cfg,
+            weights,
+            2,
+            P,
+            P,
+            torch.bfloat16,
+            host_budget=memory.cache_bytes(cfg, 1, P, torch.bfloat16)[1],
+        )
     small = memory.prefill_bytes(cfg, P, 512, torch.bfloat16)
     assert small < memory.prefill_bytes(cfg, P, 4096, torch.bfloat16)  # smaller chunks, less memory
 
@@ -136,6 +175,7 @@ def test_a_host_store_that_leaves_too_little_is_one_line_of_warning(monkeypatch,
     available (the pinned store cannot be paged out) is one line of warning with the numbers, before the
     run; a store that leaves more, or a machine that does not say, none."""
     import memory
+
     monkeypatch.setattr(memory, "mem_available", lambda: 124 * 2**30)
     w = memory.host_warning(119 * 2**30)
     assert "leaves 5.00 GiB" in w and "\n" not in w
@@ -143,26 +183,44 @@ def test_a_host_store_that_leaves_too_little_is_one_line_of_warning(monkeypatch,
     monkeypatch.setattr(memory, "mem_available", lambda: 2**30)  # a machine with 1 GiB available
     generate.main(random="tiny", max_new_tokens=3, batch=2, offload=True, device="cpu", quiet=True)
     err = capsys.readouterr().err
-    assert err.count("warning: the host KV store takes") == 1 and "smaller --host-budget" in err, err
+    assert err.count("warning: the host KV store takes") == 1 and "smaller --host-budget" in err, (
+        err
+    )
     monkeypatch.setattr(memory, "mem_available", lambda: None)
     assert memory.host_warning(119 * 2**30) is None
 
 
 def test_a_gpu_budget_too_small_is_one_line(capsys):
     with pytest.raises(SystemExit):
-        generate.cli(["--device", "cpu", "--random", "tiny", "--offload", "--gpu-budget", "0.001", "--quiet"])
+        generate.cli(
+            ["--device", "cpu", "--random", "tiny", "--offload", "--gpu-budget", "0.001", "--quiet"]
+        )
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "does not fit" in err and "not even one sequence fits" in err, err
+    assert err.count("\n") == 1 and "does not fit" in err and "not even one sequence fits" in err, (
+        err
+    )
 
 
 def test_random_model_with_a_long_prompt_in_chunks(capsys):
     """--random PRESET and --prompt-len: a prompt cycled to 1000 tokens, prefilled in chunks of 96
     (not a multiple of the block), offloaded; the prefill line reports it."""
-    out = generate.main(random="tiny", prompt_len=1000, chunk=96, max_new_tokens=8, offload=True, device="cpu",
-                        quiet=True, batch=2)
+    out = generate.main(
+        random="tiny",
+        prompt_len=1000,
+        chunk=96,
+        max_new_tokens=8,
+        offload=True,
+        device="cpu",
+        quiet=True,
+        batch=2,
+    )
     assert [len(o) for o in out] == [8, 8]
     printed = capsys.readouterr().out
-    assert "prefill: 2000 tokens" in printed and "chunks of 96" in printed and "prompts of 1000-1000" in printed
+    assert (
+        "prefill: 2000 tokens" in printed
+        and "chunks of 96" in printed
+        and "prompts of 1000-1000" in printed
+    )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="measures GPU memory")
@@ -174,22 +232,26 @@ def test_prefill_and_decode_stay_within_the_memory_model():
     import memory
     import offload
     from config import Config
+    from prefill import prefill
+
     cfg = Config.from_preset("paper", n_layer=2, vocab_size=32000)
-    model = fast.prepare(generate.random_model(cfg, "cuda", torch.bfloat16))
+    model = fast.compile_model(generate.random_model(cfg, "cuda", torch.bfloat16), prefill=True)
     P, C = 16384, 2048
     cache = offload.OffloadCache(cfg, 2, "cuda", torch.bfloat16, max_len=P + 64)
     idx = torch.randint(0, 32000, (1, P), device="cuda")
-    model.prefill(idx[:, :256], cache, 1, C)  # compile and warm up first
+    prefill(model, idx[:, :256], cache, 1, C)  # compile and warm up first
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     for on_host in (False, True):
         torch.cuda.reset_peak_memory_stats()
-        model.prefill(idx, cache, 0, C, stream_on_host=on_host)
+        prefill(model, idx, cache, 0, C, stream_on_host=on_host)
         torch.cuda.synchronize()
         used = torch.cuda.max_memory_allocated() - base
         model_bytes = memory.prefill_bytes(cfg, P, C, torch.bfloat16, on_host)
-        print(f"prefill, stream on host {on_host}: {used / 2**20:.0f} MiB measured, "
-              f"{model_bytes / 2**20:.0f} MiB modelled")
+        print(
+            f"prefill, stream on host {on_host}: {used / 2**20:.0f} MiB measured, "
+            f"{model_bytes / 2**20:.0f} MiB modelled"
+        )
         assert used <= model_bytes and used >= model_bytes / 4, on_host
     step = fast.GraphedDecode(model, cache, 1)
     tok = torch.zeros(2, dtype=torch.long, device="cuda")
@@ -205,8 +267,12 @@ def test_same_behaviour_from_any_directory(tmp_path, monkeypatch, capsys):
     """A relative --checkpoint is the working directory's where it exists there, else the
     repository's (where train.py writes out/); an unwritable --profile fails before any work."""
     monkeypatch.chdir(tmp_path)
-    out = generate.main(checkpoint_dir=os.path.join("checkpoints", "tiny-nosa"), max_new_tokens=3, device="cpu",
-                        quiet=True)
+    out = generate.main(
+        checkpoint=os.path.join("checkpoints", "tiny-nosa"),
+        max_new_tokens=3,
+        device="cpu",
+        quiet=True,
+    )
     assert len(out[0]) == 3
     with pytest.raises(SystemExit):
         generate.cli(["--device", "cpu", "--profile", str(tmp_path / "no" / "dir" / "t.json")])

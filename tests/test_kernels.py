@@ -1,13 +1,20 @@
-"""Triton kernels against their torch twins (attention.py, decode.py), forward and all gradients,
-on fresh random inputs. On CPU they run in the Triton interpreter (fp32, small shapes); on a GPU
-compiled, in fp32 and bf16."""
+"""Triton kernels against their torch twins (attention.py, pooling.py, eviction.py), forward and
+all gradients, on fresh random inputs. On CPU they run in the Triton interpreter (fp32, small
+shapes); on a GPU compiled, in fp32 and bf16. common.kernels(False) runs a twin on the GPU."""
+
 import pytest
 import torch
 
 import attention
+import attention_kernels
 import common
-import decode
+import decode_kernels
+import eviction
+import eviction_kernels
 import fast
+import pooling
+import pooling_kernels
+from config import Config
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # fp32 dots run as TF32 on a GPU (about 3e-4 relative error), exactly in the interpreter
@@ -27,8 +34,11 @@ def random_block_mask(Bz, H_kv, T, B, k, q_pos):
 
 
 def tiles(mask, BT, k):
-    """The training kernels' form of a block mask (attention.Tiles)."""
-    return attention.Tiles(*attention.mask_to_tiles(mask, BT, min(mask.shape[-1], BT * k)), BT, mask.shape[2])
+    """The training kernels' form of a block mask (attention_kernels.Tiles)."""
+    return attention_kernels.Tiles.from_mask(mask, BT, min(mask.shape[-1], BT * k))
+
+
+TINY = Config.from_preset("tiny")  # B = 16: what the decode twins read of a config
 
 
 def rel_err(a, b):
@@ -40,8 +50,22 @@ CASES = [  # (G, d, T, B, k, BT): T not a multiple of B nor of the tile BT; T < 
     (2, 128, 70, 16, 2, 32),
     (4, 64, 100, 16, 3, 8),
     (16, 64, 45, 16, 8, 8),
-    (3, 32, 50, 16, 3, 8),  # G not a power of two: the tiles' padded heads read the next group's rows
-    (12, 32, 50, 16, 3, 4),  # and with the rows of lse, rowsum(dO ∘ O) and positions read by TMA (G = 4n)
+    (
+        3,
+        32,
+        50,
+        16,
+        3,
+        8,
+    ),  # G not a power of two: the tiles' padded heads read the next group's rows
+    (
+        12,
+        32,
+        50,
+        16,
+        3,
+        4,
+    ),  # and with the rows of lse, rowsum(dO ∘ O) and positions read by TMA (G = 4n)
 ]
 
 
@@ -50,14 +74,25 @@ CASES = [  # (G, d, T, B, k, BT): T not a multiple of B nor of the tile BT; T < 
 def test_sparse_attention_kernel_matches_twin(G, d, T, B, k, BT, dtype):
     Bz, H_kv = 2, 2
     tol = 2e-2 if dtype == torch.bfloat16 else FP32_TOL
-    if G >= 4:  # q in the projections' layout, as the model makes it: a view (Bz, H_q, T, d) the kernel reads as is
-        q = torch.randn(Bz, T, H_kv * G, d, device=DEV, dtype=dtype).transpose(1, 2).requires_grad_()
+    if (
+        G >= 4
+    ):  # q in the projections' layout, as the model makes it: a view (Bz, H_q, T, d) the kernel reads as is
+        q = (
+            torch.randn(Bz, T, H_kv * G, d, device=DEV, dtype=dtype)
+            .transpose(1, 2)
+            .requires_grad_()
+        )
     else:
         q = torch.randn(Bz, H_kv * G, T, d, device=DEV, dtype=dtype, requires_grad=True)
     if G >= 4:  # and K, V too: the kernels read them through TMA descriptors of any aligned layout
-        kk, v = (torch.randn(Bz, T, H_kv, d, device=DEV, dtype=dtype).transpose(1, 2).requires_grad_() for _ in "kv")
+        kk, v = (
+            torch.randn(Bz, T, H_kv, d, device=DEV, dtype=dtype).transpose(1, 2).requires_grad_()
+            for _ in "kv"
+        )
     else:
-        kk, v = (torch.randn(Bz, H_kv, T, d, device=DEV, dtype=dtype, requires_grad=True) for _ in "kv")
+        kk, v = (
+            torch.randn(Bz, H_kv, T, d, device=DEV, dtype=dtype, requires_grad=True) for _ in "kv"
+        )
     c = torch.randn(Bz, H_kv, T, device=DEV, requires_grad=True)
     q_pos = torch.arange(T, device=DEV).expand(Bz, T)
     mask = random_block_mask(Bz, H_kv, T, B, k, q_pos)
@@ -65,11 +100,11 @@ def test_sparse_attention_kernel_matches_twin(G, d, T, B, k, BT, dtype):
     assert torch.equal(sel.mask(mask.shape[-1]), mask)
     do = torch.randn(Bz, H_kv * G, T, d, device=DEV, dtype=dtype)
     outs = []
-    for fn in (attention.sparse_attention_torch, None):
+    for fn in (attention.sparse_attention, None):
         for t in (q, kk, v, c):
             t.grad = None
         if fn is None:
-            o = attention.SparseAttention.apply(q, kk, v, c, sel, q_pos, B)
+            o = attention_kernels.SparseAttention.apply(q, kk, v, c, sel, q_pos, B)
         else:
             o = fn(q, kk, v, c, mask, q_pos, B)
         o.backward(do)
@@ -81,9 +116,39 @@ def test_sparse_attention_kernel_matches_twin(G, d, T, B, k, BT, dtype):
 def test_sparse_attention_backward_in_chunks_of_tiles(monkeypatch):
     """dK, dV and dc of a block from several programs (its tiles in ranges of 3 and those in chunks of
     2, added atomically)."""
-    monkeypatch.setattr(attention, "DKV_CHUNK", 2)
-    monkeypatch.setattr(attention, "DKV_RANGE", 3)
+    monkeypatch.setattr(attention_kernels, "DKV_CHUNK", 2)
+    monkeypatch.setattr(attention_kernels, "DKV_RANGE", 3)
     test_sparse_attention_kernel_matches_twin(*CASES[2], torch.float32)
+
+
+def test_parallel_selection_in_chunks_of_queries(monkeypatch):
+    """The kernel path of the parallel forward scores and selects nosa_kernels.select_rows(nb)
+    queries at a time (nosa.select_tiles): in chunks of 32 of 120 queries, the same tiles as all at
+    once, and they hold the twin's block mask."""
+    import nosa
+    import nosa_kernels
+
+    cfg = Config.from_preset("tiny", n_layer=1, n_win=1, k=6, k_q=2)
+    Bz, T = 1, 120
+    q = torch.randn(Bz, cfg.H_q, T, cfg.head_dim, device=DEV)
+    k = torch.randn(Bz, cfg.H_kv, T, cfg.head_dim, device=DEV)
+    c = torch.randn(Bz, cfg.H_kv, T, device=DEV)
+    q_pos, nb = torch.arange(T, device=DEV).expand(Bz, T), pooling.n_blocks(T, cfg)
+    K_sub, c_sub = pooling.compress_keys(k, cfg), pooling.pool_mean(c, cfg)
+    with common.kernels(True):
+        lists = eviction.block_lists(c_sub, 0, nb - 1, cfg)[0]
+        whole = nosa.select_tiles(q, K_sub, lists, q_pos, nb, cfg, 0)
+        monkeypatch.setattr(nosa_kernels, "SELECT_ROWS", 32)
+        monkeypatch.setattr(nosa_kernels, "SELECT_SCORES", 0)
+        parts = nosa.select_tiles(q, K_sub, lists, q_pos, nb, cfg, 0)
+    for a, b in zip(whole[:3], parts[:3]):
+        assert torch.equal(a, b)
+    with common.kernels(False):
+        Q = pooling.query_aware_scores(q, K_sub, q_pos, nb, cfg)
+        mask = nosa.select_blocks(
+            Q, None, q_pos[:, None], cfg, nosa.query_lists(lists, q_pos, 0, cfg)
+        )
+    assert torch.equal(parts.mask(nb), mask) and not mask[:, :, -1].all()
 
 
 def test_tma_descriptor_reads_aligned_views_in_place_and_copies_the_rest():
@@ -91,7 +156,9 @@ def test_tma_descriptor_reads_aligned_views_in_place_and_copies_the_rest():
     view = buf[:, :, :33]  # a prefill's keys so far: a view of a longer buffer
     desc = common.tma_descriptor(view, (1, 1, 16, 16))
     assert desc.base.data_ptr() == buf.data_ptr() and list(desc.shape) == [2, 3, 33, 16]
-    odd = torch.randn(2, 3, 33, 20, device=DEV, dtype=torch.bfloat16)[..., :16]  # rows 40 bytes apart: unaligned
+    odd = torch.randn(2, 3, 33, 20, device=DEV, dtype=torch.bfloat16)[
+        ..., :16
+    ]  # rows 40 bytes apart: unaligned
     desc = common.tma_descriptor(odd, (1, 1, 16, 16))
     assert desc.base.is_contiguous() and torch.equal(desc.base, odd)
 
@@ -106,13 +173,15 @@ def test_sparse_attention_kernel_ragged_decode_positions():
     c = torch.randn(Bz, H_kv, S, device=DEV)
     q_pos = torch.tensor([[5], [47], [89]], device=DEV)
     mask = random_block_mask(Bz, H_kv, 1, B, k, q_pos)
-    want = attention.sparse_attention_torch(q, kk, v, None, mask, q_pos, B)
-    got = attention.SparseAttention.apply(q, kk, v, None, tiles(mask, 1, k), q_pos, B)
+    want = attention.sparse_attention(q, kk, v, None, mask, q_pos, B)
+    got = attention_kernels.SparseAttention.apply(q, kk, v, None, tiles(mask, 1, k), q_pos, B)
     assert rel_err(got, want) < FP32_TOL
     for bias in (None, c):
-        want = attention.sparse_attention_torch(q, kk, v, bias, mask, q_pos, B)
+        want = attention.sparse_attention(q, kk, v, bias, mask, q_pos, B)
         for n_split in (1, 2, 5):
-            got = decode.sparse_decode_triton(q, kk, v, bias, mask, q_pos[:, 0], B, k, n_split=n_split)
+            got = decode_kernels.sparse_decode(
+                q, kk, v, bias, mask, q_pos[:, 0], B, k, n_split=n_split
+            )
             assert rel_err(got, want) < FP32_TOL, (bias is None, n_split)
 
 
@@ -131,9 +200,10 @@ def test_slot_decode_kernel_matches_twin(G, d):
         slot_block[r, slots] = torch.randperm(q_blk)[:n].to(DEV)
     bias = torch.randn(Bz, H_kv, 256, device=DEV)
     for b in (bias, None):
-        want = decode.slot_attention_torch(q, pool, slot_block, b, pos, B)
+        with common.kernels(False):
+            want = attention.slot_attention(q, pool, slot_block, b, pos, TINY)
         for n_split in (1, 2, 6):
-            got = decode.slot_attention_triton(q, pool, slot_block, b, pos, B, n_split=n_split)
+            got = decode_kernels.slot_attention(q, pool, slot_block, b, pos, B, n_split=n_split)
             assert rel_err(got, want) < FP32_TOL, n_split
 
 
@@ -143,23 +213,36 @@ def test_dense_decode_kernel_matches_twin(G, d):
     ignored (they hold noise here), any number of splits."""
     Bz, H_kv, S = 3, 2, 300
     q = torch.randn(Bz, H_kv * G, 1, d, device=DEV)
-    k, v = torch.randn(2, Bz, H_kv, S + 50, d, device=DEV)[..., :S, :]  # the first S of a longer buffer
+    k, v = torch.randn(2, Bz, H_kv, S + 50, d, device=DEV)[
+        ..., :S, :
+    ]  # the first S of a longer buffer
     pos = torch.tensor([0, 130, S - 1], device=DEV)
-    want = decode.dense_decode_torch(q, k, v, pos)
+    with common.kernels(False):
+        want = attention.dense_decode(q, k, v, pos, TINY)
     for n_split in (1, 3, 7):
-        got = decode.dense_decode_triton(q, k, v, pos, n_split=n_split)
+        got = decode_kernels.dense_decode(q, k, v, pos, n_split=n_split)
         assert rel_err(got, want) < FP32_TOL, n_split
 
 
 def test_mask_to_indices():
     m = torch.tensor([[True, False, True, True], [False, False, False, True]])
-    assert attention.mask_to_indices(m, 3).tolist() == [[0, 2, 3], [3, -1, -1]]
+    assert decode_kernels.mask_to_indices(m, 3).tolist() == [[0, 2, 3], [3, -1, -1]]
 
 
-@pytest.mark.parametrize("G, d, T, start, preset, over", [
-    (1, 64, 50, 0, "tiny", {}), (4, 128, 83, 0, "tiny", {}), (16, 64, 40, 0, "tiny", {}), (2, 64, 300, 0, "paper", {}),
-    (4, 32, 700, 0, "tiny", {}), (3, 32, 650, 0, "tiny", {}), (4, 32, 777, 301, "tiny", {}),
-    (2, 32, 600, 0, "tiny", dict(l_c=12)), (2, 32, 600, 0, "tiny", dict(l_c=4))])
+@pytest.mark.parametrize(
+    "G, d, T, start, preset, over",
+    [
+        (1, 64, 50, 0, "tiny", {}),
+        (4, 128, 83, 0, "tiny", {}),
+        (16, 64, 40, 0, "tiny", {}),
+        (2, 64, 300, 0, "paper", {}),
+        (4, 32, 700, 0, "tiny", {}),
+        (3, 32, 650, 0, "tiny", {}),
+        (4, 32, 777, 301, "tiny", {}),
+        (2, 32, 600, 0, "tiny", dict(l_c=12)),
+        (2, 32, 600, 0, "tiny", dict(l_c=4)),
+    ],
+)
 def test_query_aware_score_kernel_matches_twin(G, d, T, start, preset, over):
     """The prefill's scoring kernel against the twin: the queries of positions start .. T-1 (a chunk)
     over the compressed keys of all T; long enough that most tiles see whole runs of sub-blocks
@@ -167,8 +250,6 @@ def test_query_aware_score_kernel_matches_twin(G, d, T, start, preset, over):
     sub-blocks with the next block carried across them; p = 2 and p = 0 too), G not a power of two
     (padded heads: masks everywhere). A chunk's q and K̃ as a prefill passes them: views, read through
     their strides (q in the projections' layout, K̃ the first M sub-blocks of a longer buffer)."""
-    import pooling
-    from config import Config
     cfg = Config.from_preset(preset, **over)
     Bz, H_kv = 2, 2
     q = torch.randn(Bz, H_kv * G, T - start, d, device=DEV)
@@ -176,11 +257,12 @@ def test_query_aware_score_kernel_matches_twin(G, d, T, start, preset, over):
     K_sub = pooling.compress_keys(k, cfg)
     if start > 0 or G == 3:
         q = q.transpose(1, 2).contiguous().transpose(1, 2)
-        K_sub = torch.cat([K_sub, torch.randn_like(K_sub[:, :, :7])], 2)[:, :, :K_sub.shape[2]]
+        K_sub = torch.cat([K_sub, torch.randn_like(K_sub[:, :, :7])], 2)[:, :, : K_sub.shape[2]]
     q_pos = torch.arange(start, T, device=DEV).expand(Bz, T - start)
     nb = pooling.n_blocks(T, cfg)
-    want = pooling.query_aware_scores_torch(q, K_sub, q_pos, nb, cfg)
-    got = pooling.query_aware_scores_triton(q, K_sub, q_pos, nb, cfg)
+    with common.kernels(False):
+        want = pooling.query_aware_scores(q, K_sub, q_pos, nb, cfg)
+    got = pooling_kernels.query_aware_scores(q, K_sub, q_pos, nb, cfg)
     finite = torch.isfinite(want)
     assert torch.equal(finite, torch.isfinite(got))
     assert rel_err(got[finite], want[finite]) < FP32_TOL
@@ -192,39 +274,49 @@ def test_query_aware_score_kernel_far_above_the_first_tile():
     the first tile: a later compressed key aligned with some queries, whose products exceed that by
     far more than a float's range (2^128 in base 2), makes their sums overflow, and the tile must
     take the online softmax's statistics instead. Against the twin, which never overflows."""
-    import pooling
-    from config import Config
     cfg = Config.from_preset("tiny")
     Bz, H_kv, G, d, T = 1, 2, 4, 32, 1500
     q = torch.randn(Bz, H_kv * G, 64, d, device=DEV)
-    K_sub = pooling.compress_keys(torch.randn(Bz, H_kv, T, d, device=DEV), cfg)  # 92 sub-blocks: two tiles
-    K_sub[:, :, 80] = q[:, :G, 0].mean(1)[:, None] * 80  # the first query's heads: products of several hundred
+    K_sub = pooling.compress_keys(
+        torch.randn(Bz, H_kv, T, d, device=DEV), cfg
+    )  # 92 sub-blocks: two tiles
+    K_sub[:, :, 80] = (
+        q[:, :G, 0].mean(1)[:, None] * 80
+    )  # the first query's heads: products of several hundred
     q_pos = torch.arange(T - 64, T, device=DEV).expand(Bz, 64)
     nb = pooling.n_blocks(T, cfg)
-    want = pooling.query_aware_scores_torch(q.double(), K_sub.double(), q_pos, nb, cfg)
-    got = pooling.query_aware_scores_triton(q, K_sub, q_pos, nb, cfg)
+    want = pooling.query_aware_scores(q.double(), K_sub.double(), q_pos, nb, cfg)
+    got = pooling_kernels.query_aware_scores(q, K_sub, q_pos, nb, cfg)
     finite = torch.isfinite(want)
     assert torch.equal(finite, torch.isfinite(got))
     assert rel_err(got[finite], want[finite]) < FP32_TOL
 
 
-@pytest.mark.parametrize("G, d, preset, M_len, over", [(1, 64, "tiny", 700, {}), (16, 32, "tiny", 333, {}),
-                                                      (4, 64, "paper", 3000, {}), (2, 32, "tiny", 500, dict(l_c=12)),
-                                                      (2, 32, "tiny", 500, dict(l_c=4))])
+@pytest.mark.parametrize(
+    "G, d, preset, M_len, over",
+    [
+        (1, 64, "tiny", 700, {}),
+        (16, 32, "tiny", 333, {}),
+        (4, 64, "paper", 3000, {}),
+        (2, 32, "tiny", 500, dict(l_c=12)),
+        (2, 32, "tiny", 500, dict(l_c=4)),
+    ],
+)
 def test_decode_score_kernel_matches_twin(G, d, preset, M_len, over):
     """One query per sequence (decode), ragged positions: the key-parallel kernels against the twin,
     over more blocks than the positions reach (static shapes), with chunks of compressed keys that
     do not divide their number, and sub-blocks that reach 0, 1 or 2 strides into the next block."""
-    import pooling
-    from config import Config
     cfg = Config.from_preset(preset, **over)
     Bz, H_kv = 3, 2
     q = torch.randn(Bz, H_kv * G, 1, d, device=DEV)
     K_sub = pooling.compress_keys(torch.randn(Bz, H_kv, M_len, d, device=DEV), cfg)
-    q_pos = torch.tensor([[5], [M_len // 2], [M_len - 1]], device=DEV)  # the first sees no sub-block yet
+    q_pos = torch.tensor(
+        [[5], [M_len // 2], [M_len - 1]], device=DEV
+    )  # the first sees no sub-block yet
     nb = pooling.n_blocks(M_len, cfg) + 2
-    want = pooling.query_aware_scores_torch(q, K_sub, q_pos, nb, cfg)
-    got = pooling.query_aware_scores_decode(q, K_sub, q_pos, nb, cfg, CM=32, NBT=16)
+    with common.kernels(False):
+        want = pooling.query_aware_scores(q, K_sub, q_pos, nb, cfg)
+    got = pooling_kernels.query_aware_scores_decode(q, K_sub, q_pos, nb, cfg, CM=32, NBT=16)
     finite = torch.isfinite(want)
     assert torch.equal(finite, torch.isfinite(got))
     assert rel_err(got[finite], want[finite]) < FP32_TOL
@@ -233,144 +325,161 @@ def test_decode_score_kernel_matches_twin(G, d, preset, M_len, over):
 @pytest.mark.parametrize("attn", ["nosa", "infllmv2"])
 @pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if DEV == "cuda" else []))
 def test_append_kernel_matches_twin(attn, dtype):
-    """A decode step's cache update (kvcache.append_subblocks), kernel against twin, step after step
-    from the same state: the ring, K̃ and c̃ as sub-blocks complete, and the eviction list as blocks
-    leave the window, with scores on a coarse grid so that a newcomer often ties with members."""
-    import eviction
-    from config import Config
-    from kvcache import SubBlockCache, append_subblocks_torch, append_subblocks_triton
+    """A decode step's cache update (pooling.append_subblocks, eviction.join_leaver), kernels against
+    twins, step after step from the same state: the ring, K̃ and c̃ as sub-blocks complete, and the
+    eviction list as blocks leave the window, with scores on a coarse grid so that a newcomer often
+    ties with members."""
+    from kvcache import SubBlockCache
+
     cfg = Config.from_preset("tiny", attn=attn, max_seq_len=512)
     Bz, H, d = 3, cfg.H_kv, cfg.head_dim
     grid = lambda *shape: torch.randint(-2, 3, shape, device=DEV).float()  # ties in c̃ and E
     caches = [SubBlockCache(cfg, Bz, DEV, dtype, 512) for _ in range(2)]
-    start = dict(ring_k=torch.randn(Bz, H, cfg.l_c, d, device=DEV), K_sub=torch.randn(Bz, H, 32, d, device=DEV),
-                 ring_c=grid(Bz, H, cfg.l_c), c_sub=grid(Bz, H, 32))
+    start = dict(
+        ring_k=torch.randn(Bz, H, cfg.l_c, d, device=DEV),
+        K_sub=torch.randn(Bz, H, 32, d, device=DEV),
+        ring_c=grid(Bz, H, cfg.l_c),
+        c_sub=grid(Bz, H, 32),
+    )
     for s in caches:
         for name, x in start.items():
-            getattr(s, name)[0][:, :, :x.shape[2]] = x
+            getattr(s, name)[0][:, :, : x.shape[2]] = x
     if cfg.eviction_head:
-        ids, E = eviction.core_list(grid(Bz, H, 6), torch.ones(Bz, H, 6, dtype=torch.bool, device=DEV),
-                                    caches[0].core_ids[0].shape[-1])
+        ids, E = eviction.core_list(
+            grid(Bz, H, 6),
+            torch.ones(Bz, H, 6, dtype=torch.bool, device=DEV),
+            caches[0].core_ids[0].shape[-1],
+        )
         for s in caches:
             s.core_ids[0].copy_(ids)
             s.core_E[0].copy_(E)
-    pos = torch.tensor([97, 150, 255], device=DEV)  # sub-blocks and blocks complete at different steps per row
+    pos = torch.tensor(
+        [97, 150, 255], device=DEV
+    )  # sub-blocks and blocks complete at different steps per row
     n_joins = 0
     for step in range(70):
         k = torch.randn(Bz, H, d, device=DEV, dtype=dtype)
         c = grid(Bz, H) if cfg.eviction_head else None
         before = caches[0].core_ids[0].clone() if cfg.eviction_head else None
-        for s, f in zip(caches, (append_subblocks_torch, append_subblocks_triton)):
-            core = (s.core_ids[0], s.core_E[0]) if cfg.eviction_head else (None, None)
-            f(s.ring_k[0], s.ring_c[0], s.K_sub[0], s.c_sub[0], *core, k, c, pos, cfg, True)
-        for name in ("ring_k", "K_sub") + (("ring_c", "c_sub", "core_ids", "core_E") if cfg.eviction_head else ()):
+        for s, twin in zip(caches, (True, False)):
+            with common.kernels(not twin):
+                append = pooling.append_subblocks if twin else pooling_kernels.append_subblocks
+                append(s.ring_k[0], s.ring_c[0], s.K_sub[0], s.c_sub[0], k, c, pos, cfg)
+                if cfg.eviction_head:
+                    join = eviction.join_leaver if twin else eviction_kernels.join_leaver
+                    join(s.core_ids[0], s.core_E[0], s.c_sub[0], pos, cfg)
+        for name in ("ring_k", "K_sub") + (
+            ("ring_c", "c_sub", "core_ids", "core_E") if cfg.eviction_head else ()
+        ):
             want, got = getattr(caches[0], name)[0], getattr(caches[1], name)[0]
-            assert torch.allclose(got.double(), want.double(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-6,
-                                  atol=1e-6), (step, name)
+            assert torch.allclose(
+                got.double(),
+                want.double(),
+                rtol=1e-2 if dtype == torch.bfloat16 else 1e-6,
+                atol=1e-6,
+            ), (step, name)
         n_joins += int(cfg.eviction_head and not torch.equal(before, caches[0].core_ids[0]))
         pos += 1
     assert not cfg.eviction_head or n_joins >= 3  # the list did change, more than once
 
 
-def test_model_through_the_kernels(monkeypatch):
+def test_model_through_the_kernels():
     """The whole system on the kernel path (compiled on a GPU, interpreted on CPU): the parallel
     forward matches the twins, and decoding through the scoring, selection, cache update and decode
     kernels (offloaded: the slot pool; resident) matches the parallel forward through the training kernels."""
-    import kvcache
-    import nosa
-    import offload
-    import pooling
     from kvcache import KVCache
     from offload import OffloadCache
     from tests.conftest import decode_logits, make_model
-    kw = dict(n_layer=1, dim=64, H_q=4, H_kv=2, head_dim=16, hidden_dim=96, vocab_size=97, B=16, l_c=8, s_c=4,
-              n_sink=1, n_win=1, k=4, k_q=1)  # k·B = 64 tokens
+
+    kw = dict(
+        n_layer=1,
+        dim=64,
+        H_q=4,
+        H_kv=2,
+        head_dim=16,
+        hidden_dim=96,
+        vocab_size=97,
+        B=16,
+        l_c=8,
+        s_c=4,
+        n_sink=1,
+        n_win=1,
+        k=4,
+        k_q=1,
+    )  # k·B = 64 tokens
     model = make_model("nosa", torch.float32, **kw).to(DEV)
     idx = torch.randint(0, 97, (2, 150), device=DEV)
     with torch.no_grad():
-        ref = model(idx)  # the twins (on a GPU: the kernels already)
-        monkeypatch.setattr(attention, "use_triton", lambda x, B: True)
-        monkeypatch.setattr(pooling, "query_aware_scores", lambda q, *a: (
-            pooling.query_aware_scores_decode if q.shape[2] == 1 else pooling.query_aware_scores_triton)(q, *a))
-        monkeypatch.setattr(nosa, "select_step", nosa.select_step_triton)
-        monkeypatch.setattr(offload, "needed_blocks", offload.needed_blocks_triton)
-        monkeypatch.setattr(kvcache, "append_subblocks", kvcache.append_subblocks_triton)
-        par = model(idx)
-        assert rel_err(par, ref) < FP32_TOL
-        prompt_lens = [20, 70]
-        offloaded = OffloadCache(model.cfg, 2, DEV, torch.float32, max_len=150)
-        for cache in (offloaded, KVCache(model.cfg, 2, DEV, torch.float32)):
-            for i, (P, got) in enumerate(zip(prompt_lens, decode_logits(model, idx, prompt_lens, cache))):
-                assert rel_err(got, par[i, P - 1:P - 1 + got.shape[0]]) < FP32_TOL
+        with common.kernels(False):
+            ref = model(idx)  # the twins
+        with common.kernels(True):
+            par = model(idx)
+            assert rel_err(par, ref) < FP32_TOL
+            prompt_lens = [20, 70]
+            offloaded = OffloadCache(model.cfg, 2, DEV, torch.float32, max_len=150)
+            for cache in (offloaded, KVCache(model.cfg, 2, DEV, torch.float32)):
+                for i, (P, got) in enumerate(
+                    zip(prompt_lens, decode_logits(model, idx, prompt_lens, cache))
+                ):
+                    assert rel_err(got, par[i, P - 1 : P - 1 + got.shape[0]]) < FP32_TOL
 
 
-@pytest.mark.parametrize("prompt_lens", [[20, 70], [45, 45]])  # ragged (a mask) and equal (flash, no mask)
+@pytest.mark.parametrize(
+    "prompt_lens", [[20, 70], [45, 45]]
+)  # ragged (a mask) and equal (flash, no mask)
 def test_full_attention_decode_bf16(prompt_lens):
     from tests.conftest import decode_logits, make_model
-    model = make_model("full", torch.bfloat16, n_layer=2, dim=128, H_q=8, H_kv=2, head_dim=64, B=16).to(DEV)  # SDPA
+
+    model = make_model(
+        "full", torch.bfloat16, n_layer=2, dim=128, H_q=8, H_kv=2, head_dim=64, B=16
+    ).to(DEV)  # SDPA
     idx = torch.randint(0, 97, (2, 150), device=DEV)
     with torch.no_grad():
         par = model(idx)
     for i, (P, got) in enumerate(zip(prompt_lens, decode_logits(model, idx, prompt_lens))):
-        assert rel_err(got, par[i, P - 1:P - 1 + got.shape[0]]) < 2e-2
-
-
-def test_fused_runs_as_written_off_the_gpu_and_falls_back_when_compiling_fails(monkeypatch):
-    """fast.fused: CPU tensors run the function itself; on a GPU, a torch.compile failure warns
-    once, and the function runs unfused from then on."""
-    n_compiles = []
-
-    def broken_compile(fn, **kw):
-        n_compiles.append(fn)
-        return lambda *a: (_ for _ in ()).throw(RuntimeError("no C compiler"))
-
-    g = fast.fused(lambda x, n: x * n)
-    x = torch.randn(3)
-    assert torch.equal(g(x, 2), x * 2) and not n_compiles  # CPU: no compile
-    monkeypatch.setattr(torch, "compile", broken_compile)
-
-    class OnGPU:  # stands for a CUDA tensor
-        is_cuda = True
-
-        def __mul__(self, n):
-            return n
-
-    h = fast.fused(lambda x, n: x * n)
-    with pytest.warns(UserWarning, match="runs unfused"):
-        assert h(OnGPU(), 5) == 5
-    assert h(OnGPU(), 7) == 7 and len(n_compiles) == 1  # warned and compiled once
+        assert rel_err(got, par[i, P - 1 : P - 1 + got.shape[0]]) < 2e-2
 
 
 @pytest.mark.parametrize("attn", ["nosa", "infllmv2", "dma", "full"])
-def test_chunked_prefill_through_the_kernels(attn, monkeypatch):
+def test_chunked_prefill_through_the_kernels(attn):
     """A prefill in chunks of 48 (not a multiple of B = 16) through the kernels (compiled on a GPU in
     bf16, with the residual stream in pinned host memory and without; interpreted on CPU in fp32):
     the last position's logits are the parallel forward's, also through fast.block_prefill, and the
     cache it leaves decodes alike."""
-    import nosa
-    import pooling
     from kvcache import KVCache
+    from prefill import prefill
     from tests.conftest import make_model
+
     dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
-    kw = dict(n_layer=2, dim=64, H_q=4, H_kv=2, head_dim=16, hidden_dim=96, vocab_size=97, B=16, l_c=8, s_c=4,
-              n_sink=1, n_win=1, k=4, k_q=2)  # k·B = 64 tokens
+    kw = dict(
+        n_layer=2,
+        dim=64,
+        H_q=4,
+        H_kv=2,
+        head_dim=16,
+        hidden_dim=96,
+        vocab_size=97,
+        B=16,
+        l_c=8,
+        s_c=4,
+        n_sink=1,
+        n_win=1,
+        k=4,
+        k_q=2,
+    )  # k·B = 64 tokens
     model = make_model(attn, dtype, **kw).to(DEV)
-    if DEV == "cpu":
-        monkeypatch.setattr(attention, "use_triton", lambda x, B: True)
-        monkeypatch.setattr(pooling, "query_aware_scores", lambda q, *a: (
-            pooling.query_aware_scores_decode if q.shape[2] == 1 else pooling.query_aware_scores_triton)(q, *a))
-        monkeypatch.setattr(nosa, "select_step", nosa.select_step_triton)
     idx = torch.randint(0, 97, (1, 200), device=DEV)
     tol = 2e-2 if dtype == torch.bfloat16 else FP32_TOL
-    with torch.no_grad():
+    with torch.no_grad(), common.kernels(True):
         ref = model(idx)[0, -1]
         for on_host in (False, True):
             cache = KVCache(model.cfg, 1, DEV, dtype)
-            got = model.prefill(idx, cache, 0, 48, stream_on_host=on_host)
+            got = prefill(model, idx, cache, 0, 48, stream_on_host=on_host)
             assert rel_err(got, ref) < tol, (on_host, rel_err(got, ref))
             whole = KVCache(model.cfg, 1, DEV, dtype)
-            model.prefill(idx, whole, 0)
+            prefill(model, idx, whole, 0)
             assert rel_err(cache.k[1][0, :, :200], whole.k[1][0, :, :200]) < tol
-        fast.prepare(model)  # the prefill's blocks through fast (fused weights; small ops compiled on a GPU)
-        got = model.prefill(idx, KVCache(model.cfg, 1, DEV, dtype), 0, 48, block=fast.block_prefill)
-        assert rel_err(got, ref) < tol, rel_err(got, ref)
+        if DEV == "cuda":  # the prefill's small operations compiled (fast.compile_model)
+            fast.compile_model(model, prefill=True)
+            got = prefill(model, idx, KVCache(model.cfg, 1, DEV, dtype), 0, 48)
+            assert rel_err(got, ref) < tol, rel_err(got, ref)

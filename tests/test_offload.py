@@ -1,14 +1,16 @@
 """NOSI offloading: same logits as the resident cache and the parallel forward, exact slot-pool
 bookkeeping, transfers equal to the set differences, clear errors for budgets that do not fit."""
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import common
 import fast
 import memory
 import offload
-import transfer
+import offload_kernels
 from generate import generate
 from kvcache import KVCache
 from offload import OffloadCache
@@ -42,7 +44,9 @@ class CheckedCache(OffloadCache):
             flushed = int(pos[r]) % cfg.B == cfg.B - 1  # the full tail just joined a free slot
             assert len(resident) == len(set(resident)), "a block holds two slots"
             assert set(resident) == need | ({q_blk} if flushed else set())
-            assert sorted(b for b in fetch[r].tolist() if b >= 0) == sorted(need - was), "transfers != set difference"
+            assert sorted(b for b in fetch[r].tolist() if b >= 0) == sorted(need - was), (
+                "transfers != set difference"
+            )
             if not cold[r]:
                 self.moves.append(len(need - was))
                 if cfg.attn == "nosa":  # the locality theorem, per row and step
@@ -50,7 +54,9 @@ class CheckedCache(OffloadCache):
             for s, b in enumerate(sb[r].tolist()):
                 if b >= 0:
                     assert int(self.block_slot[layer][r, b]) == s
-                    assert torch.equal(self.pool[layer][r, s].cpu(), self.host[layer][r, b]), "slot differs from host"
+                    assert torch.equal(self.pool[layer][r, s].cpu(), self.host[layer][r, b]), (
+                        "slot differs from host"
+                    )
             assert int((self.block_slot[layer][r] >= 0).sum()) == len(resident), "a slot leaked"
         return o
 
@@ -59,17 +65,27 @@ class CheckedCache(OffloadCache):
 def test_offloaded_decode_equals_parallel_and_resident(attn):
     model = make_model(attn, torch.float64).to(DEV)
     cfg = model.cfg
-    prompt_lens = [5, 37, 70]  # mixed lengths; k*B = 64, and 4*k*B = 256 tokens are generated after the longest
+    prompt_lens = [
+        5,
+        37,
+        70,
+    ]  # mixed lengths; k*B = 64, and 4*k*B = 256 tokens are generated after the longest
     T = max(prompt_lens) + 4 * cfg.k * cfg.B + 3
     idx = torch.randint(0, cfg.vocab_size, (3, T), device=DEV)
     with torch.no_grad():
         ref = model(idx)
     # max_len far too small on purpose: the host store and tables must grow while decoding
-    off = decode_logits(model, idx, prompt_lens, CheckedCache(cfg, 3, DEV, torch.float64, max_len=40))
+    off = decode_logits(
+        model, idx, prompt_lens, CheckedCache(cfg, 3, DEV, torch.float64, max_len=40)
+    )
     res = decode_logits(model, idx, prompt_lens, KVCache(cfg, 3, DEV, torch.float64))
-    static = decode_logits(model, idx, prompt_lens, KVCache(cfg, 3, DEV, torch.float64, max_len=T))  # over all T blocks
+    static = decode_logits(
+        model, idx, prompt_lens, KVCache(cfg, 3, DEV, torch.float64, max_len=T)
+    )  # over all T blocks
     for i, P in enumerate(prompt_lens):
-        torch.testing.assert_close(off[i], ref[i, P - 1:P - 1 + off[i].shape[0]], rtol=0, atol=1e-9)
+        torch.testing.assert_close(
+            off[i], ref[i, P - 1 : P - 1 + off[i].shape[0]], rtol=0, atol=1e-9
+        )
         torch.testing.assert_close(off[i], res[i], rtol=0, atol=1e-9)
         torch.testing.assert_close(static[i], res[i], rtol=0, atol=1e-9)
 
@@ -79,13 +95,17 @@ def test_offload_stats_and_locality_bound():
     counters agree with what the pool went through, and the hit rate respects the theorem's bound."""
     model = make_model("nosa", torch.float32).to(DEV)
     cfg = model.cfg
-    cache = CheckedCache(cfg, 2, DEV, torch.float32, max_len=90 + 300)  # sized exactly, as generate.py does
+    cache = CheckedCache(
+        cfg, 2, DEV, torch.float32, max_len=90 + 300
+    )  # sized exactly, as generate.py does
     cache.moves = []
     generate(model, [[1, 2, 3] * 30, [4] * 7], max_new_tokens=300, cache=cache)
     most = max(cache.moves)
     assert 0 < most <= cfg.k_q - 1 and cache.stats.row_max.max().item() == most
     assert cache.stats.moved.sum().item() == sum(cache.moves)
-    assert cache.stats.cold.sum().item() > 0  # the first step gathers whole selections, counted apart
+    assert (
+        cache.stats.cold.sum().item() > 0
+    )  # the first step gathers whole selections, counted apart
     hit = 1 - cache.stats.moved.sum().item() / cache.stats.needed.sum().item()
     assert hit >= cfg.k_e / (cfg.k - 1)  # k_e of the k - 1 selected non-tail blocks were resident
     assert f"most blocks one row moved in a step: {most}" in cache.stats.summary()
@@ -102,20 +122,27 @@ def test_set_difference_random_sequences(data, R, k, n_steps):
         rows = [sorted(data.draw(st.sets(st.integers(0, cap - 1), max_size=k))) for _ in range(R)]
         need = torch.full((R, k), -1, dtype=torch.long)
         for r, ids in enumerate(rows):
-            need[r, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+            need[r, : len(ids)] = torch.tensor(ids, dtype=torch.long)
         was = [{b for b in slot_block[r].tolist() if b >= 0} for r in range(R)]
-        transfer.set_difference_torch(need, slot_block, block_slot, fetch)
+        offload.set_difference(need, slot_block, block_slot, fetch)
         for r, ids in enumerate(rows):
             res = [b for b in slot_block[r].tolist() if b >= 0]
             assert sorted(res) == ids  # exactly the needed blocks, none twice, none leaked
             assert sorted(b for b in fetch[r].tolist() if b >= 0) == sorted(set(ids) - was[r])
             assert all(fetch[r, s] in (-1, slot_block[r, s]) for s in range(k))
-            assert {(b, s) for s, b in enumerate(slot_block[r].tolist()) if b >= 0} == \
-                   {(b, s) for b, s in enumerate(block_slot[r].tolist()) if s >= 0}
+            assert {(b, s) for s, b in enumerate(slot_block[r].tolist()) if b >= 0} == {
+                (b, s) for b, s in enumerate(block_slot[r].tolist()) if s >= 0
+            }
 
 
 @settings(max_examples=30, deadline=None)
-@given(data=st.data(), Bz=st.integers(1, 3), H_kv=st.integers(1, 2), k=st.integers(2, 9), nb=st.integers(1, 40))
+@given(
+    data=st.data(),
+    Bz=st.integers(1, 3),
+    H_kv=st.integers(1, 2),
+    k=st.integers(2, 9),
+    nb=st.integers(1, 40),
+)
 def test_needed_blocks_kernel_equals_twin(data, Bz, H_kv, k, nb):
     """The list of selected non-tail blocks as one Triton kernel (interpreted on CPU) == the torch code:
     ragged positions (the tail anywhere, or past the selection), ended sequences, 0 to k - 1 blocks."""
@@ -125,10 +152,10 @@ def test_needed_blocks_kernel_equals_twin(data, Bz, H_kv, k, nb):
     active = torch.rand(Bz, generator=g) < 0.7
     sel = torch.zeros(R, nb, dtype=torch.bool)
     for r in range(R):
-        sel[r, torch.randperm(nb, generator=g)[:int(torch.randint(0, k, (), generator=g))]] = True
+        sel[r, torch.randperm(nb, generator=g)[: int(torch.randint(0, k, (), generator=g))]] = True
         sel[r, int(pos[r // H_kv]) // B] = True  # the tail block is always selected
-    want = offload.needed_blocks_torch(sel, pos, active, H_kv, B, k)
-    got = offload.needed_blocks_triton(sel.to(DEV), pos.to(DEV), active.to(DEV), H_kv, B, k)
+    want = offload.needed_blocks(sel, pos, active, H_kv, B, k)  # the twin, on the CPU
+    got = offload_kernels.needed_blocks(sel.to(DEV), pos.to(DEV), active.to(DEV), H_kv, B, k)
     for w, x in zip(want, got):
         assert torch.equal(x.cpu(), w)
 
@@ -143,9 +170,19 @@ def test_budgets_and_modes_raise_before_allocating():
     gpu, host = memory.cache_bytes(model.cfg, 10, 1024, torch.float32)
     n = memory.max_batch(model.cfg, 1024, torch.float32, gpu_budget=gpu + 1, host_budget=host * 2)
     assert n == 10
-    OffloadCache(model.cfg, n, "cpu", torch.float32, max_len=1024, gpu_budget=gpu + 1, host_budget=host * 2)
+    OffloadCache(
+        model.cfg, n, "cpu", torch.float32, max_len=1024, gpu_budget=gpu + 1, host_budget=host * 2
+    )
     with pytest.raises(MemoryError, match="GPU slot pool needs"):
-        OffloadCache(model.cfg, n + 1, "cpu", torch.float32, max_len=1024, gpu_budget=gpu + 1, host_budget=host * 2)
+        OffloadCache(
+            model.cfg,
+            n + 1,
+            "cpu",
+            torch.float32,
+            max_len=1024,
+            gpu_budget=gpu + 1,
+            host_budget=host * 2,
+        )
     resident = memory.max_batch(model.cfg, 1024, torch.float32, gpu_budget=gpu + 1, offload=False)
     assert 0 < resident < n  # the point of offloading: more sequences in the same GPU memory
     with pytest.raises(ValueError, match="sparse attention mode"):
@@ -154,7 +191,7 @@ def test_budgets_and_modes_raise_before_allocating():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA kernels need a GPU")
 def test_cuda_kernels_match_twins():
-    assert transfer._kernels("cuda"), "uva_copy.cu did not build"
+    assert offload_kernels.uva("cuda"), "uva_copy.cu did not build"
     R, k, cap, U = 6, 8, 40, (2, 16, 64)
     host = torch.randn(R, cap, *U, dtype=torch.bfloat16).pin_memory()
     tables = [torch.full((R, k), -1, dtype=torch.long), torch.full((R, cap), -1, dtype=torch.long)]
@@ -166,12 +203,17 @@ def test_cuda_kernels_match_twins():
         for r in range(R):
             n = int(torch.randint(0, k, ()))
             need[r, :n] = torch.randperm(cap)[:n].sort().values
-        f, df = torch.empty(R, k, dtype=torch.long), torch.empty(R, k, dtype=torch.long, device="cuda")
-        transfer.set_difference_torch(need, *tables, f)
-        transfer.set_difference(need.cuda().contiguous(), *dev_tables, df)
-        assert torch.equal(f, df.cpu()) and all(torch.equal(a, b.cpu()) for a, b in zip(tables, dev_tables))
-        transfer.gather_units_torch(host, pool, f)
-        transfer.gather_units(host, dev_pool, df)
+        f, df = (
+            torch.empty(R, k, dtype=torch.long),
+            torch.empty(R, k, dtype=torch.long, device="cuda"),
+        )
+        offload.set_difference(need, *tables, f)  # the twin, on the CPU
+        offload.set_difference(need.cuda().contiguous(), *dev_tables, df)
+        assert torch.equal(f, df.cpu()) and all(
+            torch.equal(a, b.cpu()) for a, b in zip(tables, dev_tables)
+        )
+        offload.gather_units(host, pool, f)
+        offload.gather_units(host, dev_pool, df)
         torch.cuda.synchronize()
         assert torch.equal(pool, dev_pool.cpu())
     # flush: rows (H_kv = 2 per sequence) whose tail is full write it back and keep it in a free slot
@@ -187,8 +229,8 @@ def test_cuda_kernels_match_twins():
     dev_tables = [t.cuda() for t in tables]
     pos = torch.tensor([2 * 16 - 1, 5, 7 * 16 - 1])  # sequences 0 and 2 full (B = 16)
     dev_host = host.clone().pin_memory()
-    transfer.flush_tails_torch(host, pool, *tables, pos, 2, 16)
-    transfer.flush_tails(dev_host, dev_pool, *dev_tables, pos.cuda(), 2, 16)
+    offload.flush_tails(host, pool, *tables, pos, 2, 16)
+    offload.flush_tails(dev_host, dev_pool, *dev_tables, pos.cuda(), 2, 16)
     torch.cuda.synchronize()
     assert torch.equal(pool, dev_pool.cpu()) and torch.equal(host, dev_host)
     assert all(torch.equal(a, b.cpu()) for a, b in zip(tables, dev_tables))
@@ -199,7 +241,7 @@ def test_cuda_kernels_match_twins():
 def test_cuda_kernels_refuse_what_they_cannot_read():
     """The library gets raw pointers: its Python side refuses an unpinned store, a wrong dtype or a
     unit that is no multiple of 16 bytes before any launch, and a launch error becomes a RuntimeError."""
-    ext = transfer._kernels("cuda")
+    ext = offload_kernels.uva("cuda")
     host = torch.randn(2, 4, 2, 8, 32, dtype=torch.bfloat16).pin_memory()
     pool = torch.zeros(2, 3, 2, 8, 32, dtype=torch.bfloat16, device="cuda")
     fetch = torch.full((2, 2), -1, device="cuda")
@@ -208,22 +250,31 @@ def test_cuda_kernels_refuse_what_they_cannot_read():
     with pytest.raises(ValueError, match="int64"):
         ext.gather_units(host, pool, fetch.int())
     with pytest.raises(ValueError, match="16 bytes"):
-        ext.gather_units(torch.randn(2, 4, 3, dtype=torch.bfloat16).pin_memory(),
-                         torch.zeros(2, 3, 3, dtype=torch.bfloat16, device="cuda"), fetch)
+        ext.gather_units(
+            torch.randn(2, 4, 3, dtype=torch.bfloat16).pin_memory(),
+            torch.zeros(2, 3, 3, dtype=torch.bfloat16, device="cuda"),
+            fetch,
+        )
     need = torch.full((2, 2000), -1, device="cuda")  # more needed blocks than the kernel takes
     with pytest.raises(RuntimeError, match="set_difference failed"):
-        ext.set_difference(need, torch.full((2, 2000), -1, device="cuda"), torch.full((2, 9), -1, device="cuda"),
-                           torch.empty(2, 2000, dtype=torch.int64, device="cuda"))
+        ext.set_difference(
+            need,
+            torch.full((2, 2000), -1, device="cuda"),
+            torch.full((2, 9), -1, device="cuda"),
+            torch.empty(2, 2000, dtype=torch.int64, device="cuda"),
+        )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA kernels need a GPU")
 @pytest.mark.parametrize("ctas", [0, 1, 3, 16, 5000])
-@pytest.mark.parametrize("unit", [(2, 8, 32), (2, 64, 160)])  # 1 KiB: 32 units a round of loads; 40 KiB: 1.25 rounds
+@pytest.mark.parametrize(
+    "unit", [(2, 8, 32), (2, 64, 160)]
+)  # 1 KiB: 32 units a round of loads; 40 KiB: 1.25 rounds
 def test_cuda_gather_with_few_blocks(ctas, unit):
     """The gather on fewer thread blocks than units shares out the misses of a mostly-hit fetch list
     (several chunks of 1024 entries), each block's misses copied as one stream of words: every miss
     copied once, nothing else written."""
-    ext = transfer._kernels("cuda")
+    ext = offload_kernels.uva("cuda")
     R, k, cap = 40, 64, 300
     host = torch.randn(R, cap, *unit, dtype=torch.bfloat16).pin_memory()
     for _ in range(2):
@@ -231,7 +282,7 @@ def test_cuda_gather_with_few_blocks(ctas, unit):
         fetch[torch.rand(R, k) < 0.75] = -1  # hits
         pool = torch.randn(R, k + 1, *unit, dtype=torch.bfloat16)  # + the tail slot, never written
         dev_pool = pool.cuda()
-        transfer.gather_units_torch(host, pool, fetch)
+        offload.gather_units(host, pool, fetch)
         ext.gather_units(host, dev_pool, fetch.cuda(), ctas)
         torch.cuda.synchronize()
         assert torch.equal(pool, dev_pool.cpu())
@@ -240,23 +291,35 @@ def test_cuda_gather_with_few_blocks(ctas, unit):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("offloaded", [True, False])
 def test_graphed_decode_equals_eager(offloaded):
-    model = fast.prepare(make_model("nosa", torch.float32, B=16, l_c=8, s_c=4).to(DEV))  # B >= 16: Triton
+    model = fast.compile_model(
+        make_model("nosa", torch.float32, B=16, l_c=8, s_c=4).to(DEV)
+    )  # B >= 16
     cfg = model.cfg
     prompt_lens = [5, 37, 70]
     T = max(prompt_lens) + 3 * cfg.k * cfg.B
     idx = torch.randint(0, cfg.vocab_size, (3, T), device=DEV)
-    new = lambda: OffloadCache(cfg, 3, DEV, torch.float32, max_len=T) if offloaded else KVCache(cfg, 3, DEV,
-                                                                                               torch.float32, T)
+    new = lambda: (
+        OffloadCache(cfg, 3, DEV, torch.float32, max_len=T)
+        if offloaded
+        else KVCache(cfg, 3, DEV, torch.float32, T)
+    )
     eager_cache, graph_cache = new(), new()
     eager = decode_logits(model, idx, prompt_lens, eager_cache)
     graphed = decode_logits(model, idx, prompt_lens, graph_cache, graphed=True)
     for a, b in zip(eager, graphed):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
-    assert torch.equal(eager_cache.len, graph_cache.len) and torch.equal(eager_cache.len_cpu, graph_cache.len_cpu)
+    assert torch.equal(eager_cache.len, graph_cache.len) and torch.equal(
+        eager_cache.len_cpu, graph_cache.len_cpu
+    )
     if offloaded:
-        assert torch.equal(eager_cache.stats.moved, graph_cache.stats.moved) and eager_cache.stats.moved.sum() > 0
+        assert (
+            torch.equal(eager_cache.stats.moved, graph_cache.stats.moved)
+            and eager_cache.stats.moved.sum() > 0
+        )
         assert eager_cache.stats.steps == graph_cache.stats.steps
-        assert all(torch.equal(a, b) for a, b in zip(eager_cache.slot_block, graph_cache.slot_block))
+        assert all(
+            torch.equal(a, b) for a, b in zip(eager_cache.slot_block, graph_cache.slot_block)
+        )
 
 
 @pytest.mark.parametrize("graphed", [False] + ([True] if torch.cuda.is_available() else []))
@@ -277,9 +340,13 @@ def test_micro_batches_decode_like_the_whole_batch(graphed):
     a, b = (c.stats for c in caches)
     assert torch.equal(a.moved, b.moved) and torch.equal(a.needed, b.needed) and a.moved.sum() > 0
     assert a.steps == b.steps == T - max(prompt_lens) - 1
-    assert torch.equal(caches[0].len, caches[1].len) and torch.equal(caches[0].len_cpu, caches[1].len_cpu)
+    assert torch.equal(caches[0].len, caches[1].len) and torch.equal(
+        caches[0].len_cpu, caches[1].len_cpu
+    )
     assert all(torch.equal(x, y) for x, y in zip(caches[0].slot_block, caches[1].slot_block))
-    part = caches[1].split(2)[1]  # its last sequence has reached max_len: one more step would need to grow
+    part = caches[1].split(2)[
+        1
+    ]  # its last sequence has reached max_len: one more step would need to grow
     with pytest.raises(ValueError, match="cannot grow"):
         model.decode(idx[3:, -1], part)
 
@@ -301,16 +368,22 @@ def test_a_sequence_stops_at_its_end_token_while_another_continues():
     model = make_model("nosa", torch.float32).to(DEV)
     prompts = [list(range(1, 90)), [5, 6, 7] * 30]
     free = generate(model, prompts, 120)  # greedy, no end token
-    eos = next(t for t in free[0][10:] if t not in free[1])  # a token row 0 makes and row 1 never does
+    eos = next(
+        t for t in free[0][10:] if t not in free[1]
+    )  # a token row 0 makes and row 1 never does
     end = free[0].index(eos) + 1
     cache = CountingCache(model.cfg, 2, DEV, torch.float32, max_len=90 + 120)
     cache.log = []
     out = generate(model, prompts, 120, cache=cache, eos_ids={eos})
     assert out[0] == free[0][:end] and out[1] == free[1]
-    ended_at = len(prompts[0]) + end  # row 0's position when its first step after the end token runs
-    after = [moved[:model.cfg.H_kv] for pos, moved in cache.log if pos[0] >= ended_at]
+    ended_at = (
+        len(prompts[0]) + end
+    )  # row 0's position when its first step after the end token runs
+    after = [moved[: model.cfg.H_kv] for pos, moved in cache.log if pos[0] >= ended_at]
     assert after and all(int(m.sum()) == 0 for m in after)
-    assert sum(int(moved[model.cfg.H_kv:].sum()) for _, moved in cache.log) > 0  # row 1 kept moving blocks
+    assert (
+        sum(int(moved[model.cfg.H_kv :].sum()) for _, moved in cache.log) > 0
+    )  # row 1 kept moving blocks
 
 
 def test_triton_transfer_kernels_match_twins():
@@ -318,7 +391,9 @@ def test_triton_transfer_kernels_match_twins():
     R, k, cap, U, H_kv, B = 6, 5, 12, (2, 4, 8), 2, 4
     host = torch.randn(R, cap, *U, dtype=torch.float64)
     pool = torch.randn(R, k + 1, *U, dtype=torch.float64)
-    if DEV == "cuda":  # compiled: the kernels reach the pinned host store through its device pointer
+    if (
+        DEV == "cuda"
+    ):  # compiled: the kernels reach the pinned host store through its device pointer
         host, pool = offload.pinned_empty(host.shape, host.dtype).copy_(host), pool.to(DEV)
     slot_block = torch.full((R, k), -1, dtype=torch.long)
     for r in range(R):
@@ -333,11 +408,15 @@ def test_triton_transfer_kernels_match_twins():
     pos = torch.tensor([2 * B - 1, 5, 3 * B - 1], device=DEV)  # sequences 0 and 2 have a full tail
     slot_block, block_slot = slot_block.to(DEV), block_slot.to(DEV)
     a = [t.clone() for t in (host, pool, slot_block, block_slot)]
-    b = [t.clone().pin_memory() if t.is_pinned() else t.clone() for t in (host, pool, slot_block, block_slot)]
-    transfer.gather_units_torch(a[0], a[1], fetch)
-    transfer.gather_units_triton(b[0], b[1], fetch)
-    transfer.flush_tails_torch(*a, pos, H_kv, B)
-    transfer.flush_tails_triton(*b, pos, H_kv, B)
+    b = [
+        t.clone().pin_memory() if t.is_pinned() else t.clone()
+        for t in (host, pool, slot_block, block_slot)
+    ]
+    with common.kernels(False):
+        offload.gather_units(a[0], a[1], fetch)
+        offload.flush_tails(*a, pos, H_kv, B)
+    offload_kernels.gather_units_triton(b[0], b[1], fetch)
+    offload_kernels.flush_tails_triton(*b, pos, H_kv, B)
     if DEV == "cuda":
         torch.cuda.synchronize()
     for x, y in zip(a, b):
@@ -357,12 +436,12 @@ def test_offload_without_the_cuda_extension_on_a_gpu(graphed, monkeypatch):
     prompt_lens = [5, 37, 70]
     T = max(prompt_lens) + 3 * cfg.k * cfg.B
     idx = torch.randint(0, cfg.vocab_size, (3, T), device=DEV)
-    with monkeypatch.context() as m:  # the twins, on the GPU
-        m.setattr(transfer, "set_difference", transfer.set_difference_torch)
-        m.setattr(transfer, "gather_units", transfer.gather_units_torch)
-        m.setattr(transfer, "flush_tails", transfer.flush_tails_torch)
-        twins = decode_logits(model, idx, prompt_lens, OffloadCache(cfg, 3, DEV, torch.float32, max_len=T))
-    monkeypatch.setattr(transfer, "_ext", False)  # as if uva_copy.cu had failed to build
+    with monkeypatch.context() as m:  # offload.py's twins, on the GPU
+        m.setattr(offload, "use_kernels", lambda *a: False)
+        twins = decode_logits(
+            model, idx, prompt_lens, OffloadCache(cfg, 3, DEV, torch.float32, max_len=T)
+        )
+    monkeypatch.setattr(offload_kernels, "_ext", False)  # as if uva_copy.cu had failed to build
     cache = OffloadCache(cfg, 3, DEV, torch.float32, max_len=T)
     assert cache.host[0].is_pinned()
     off = decode_logits(model, idx, prompt_lens, cache, graphed=graphed)
@@ -378,11 +457,21 @@ def test_generate_offload_with_no_cuda_toolkit(tmp_path):
     import os
     import subprocess
     import sys
-    env = {**os.environ, "CUDA_HOME": str(tmp_path / "no-cuda"), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"),
-           "PATH": "/usr/bin:/bin"}
-    r = subprocess.run([sys.executable, "generate.py", "--offload", "--max-new-tokens", "40", "--quiet"],
-                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env=env, capture_output=True,
-                       text=True, timeout=600)
+
+    env = {
+        **os.environ,
+        "CUDA_HOME": str(tmp_path / "no-cuda"),
+        "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"),
+        "PATH": "/usr/bin:/bin",
+    }
+    r = subprocess.run(
+        [sys.executable, "generate.py", "--offload", "--max-new-tokens", "40", "--quiet"],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "did not build" in r.stderr and "hit rate" in r.stdout
 
@@ -393,11 +482,20 @@ def test_a_step_is_graphed_from_the_first_sub_block_to_the_capacity():
     preallocated length, never for a cache that grows; the same rule for the offloaded cache."""
     from config import Config
     from tests.conftest import small
+
     cfg = Config.from_preset("tiny", **small)
-    static, growing = KVCache(cfg, 2, "cpu", torch.float32, 100), KVCache(cfg, 2, "cpu", torch.float32)
+    static, growing = (
+        KVCache(cfg, 2, "cpu", torch.float32, 100),
+        KVCache(cfg, 2, "cpu", torch.float32),
+    )
     off = OffloadCache(cfg, 2, "cpu", torch.float32, max_len=100)
     for cache in (static, off):
-        assert [cache.graphable(p) for p in (cfg.l_c - 2, cfg.l_c - 1, 99, 100)] == [False, True, True, False]
+        assert [cache.graphable(p) for p in (cfg.l_c - 2, cfg.l_c - 1, 99, 100)] == [
+            False,
+            True,
+            True,
+            False,
+        ]
     assert not any(growing.graphable(p) for p in (cfg.l_c, 50, 1000))
 
 
@@ -409,14 +507,23 @@ def test_every_cache_buffer_is_listed_and_modelled(attn):
     from config import Config
     from kvcache import SubBlockCache
     from tests.conftest import small
+
     cfg = Config.from_preset("tiny", **{**small, "attn": attn})
     cache = OffloadCache(cfg, 3, "cpu", torch.float32, max_len=300)
-    per_layer = lambda obj: {n for n, v in vars(obj).items() if isinstance(v, list) and v and torch.is_tensor(v[0])}
+    per_layer = lambda obj: {
+        n for n, v in vars(obj).items() if isinstance(v, list) and v and torch.is_tensor(v[0])
+    }
     assert per_layer(cache) == set(OffloadCache.ROWS + OffloadCache.SEQS)
-    assert per_layer(cache.sub) == {n for n in SubBlockCache.BUFFERS if getattr(cache.sub, n) is not None}
-    tensors = [t for n in OffloadCache.ROWS + OffloadCache.SEQS if n != "host" for t in getattr(cache, n)]
+    assert per_layer(cache.sub) == {
+        n for n in SubBlockCache.BUFFERS if getattr(cache.sub, n) is not None
+    }
+    tensors = [
+        t for n in OffloadCache.ROWS + OffloadCache.SEQS if n != "host" for t in getattr(cache, n)
+    ]
     tensors += [t for n in per_layer(cache.sub) for t in getattr(cache.sub, n)]
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}  # tail: a view
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
+    }  # tail: a view
     gpu, host = memory.cache_bytes(cfg, 3, 300, torch.float32)
     assert sum(t.numel() * t.element_size() for t in cache.host) == host
     assert 0.95 * gpu <= sum(storages.values()) <= 1.1 * gpu, (sum(storages.values()), gpu)

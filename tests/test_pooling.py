@@ -1,4 +1,5 @@
 """Two-stage pooling on small hand-computed cases."""
+
 import math
 
 import torch
@@ -11,7 +12,15 @@ paper = Config.from_preset("paper")  # B=64, l_c=32, s_c=16
 
 
 def test_subblock_counts():
-    assert [pooling.n_subblocks(T, tiny) for T in (0, 7, 8, 11, 12, 16, 17)] == [0, 0, 1, 1, 2, 3, 3]
+    assert [pooling.n_subblocks(T, tiny) for T in (0, 7, 8, 11, 12, 16, 17)] == [
+        0,
+        0,
+        1,
+        1,
+        2,
+        3,
+        3,
+    ]
     assert [pooling.n_blocks(T, tiny) for T in (1, 16, 17, 32, 33)] == [1, 1, 2, 2, 3]
 
 
@@ -20,7 +29,12 @@ def test_pool_mean_by_hand():
     x = torch.arange(10.0)  # sub-blocks [0:4], [2:6], [4:8], [6:10]
     assert pooling.pool_mean(x, cfg).tolist() == [1.5, 3.5, 5.5, 7.5]
     k = torch.stack([x, -2 * x], -1)  # (T, d=2)
-    assert pooling.compress_keys(k, cfg).tolist() == [[1.5, -3.0], [3.5, -7.0], [5.5, -11.0], [7.5, -15.0]]
+    assert pooling.compress_keys(k, cfg).tolist() == [
+        [1.5, -3.0],
+        [3.5, -7.0],
+        [5.5, -11.0],
+        [7.5, -15.0],
+    ]
 
 
 def test_stage2_overlap_paper():
@@ -31,14 +45,18 @@ def test_stage2_overlap_paper():
         for m in range(M):
             x.fill_(0.0)
             x[m] = 1.0
-            assert pooling.max_to_blocks(x, 8, paper)[b].item() == (1.0 if 4 * b - 1 <= m <= 4 * b + 3 else 0.0)
+            assert pooling.max_to_blocks(x, 8, paper)[b].item() == (
+                1.0 if 4 * b - 1 <= m <= 4 * b + 3 else 0.0
+            )
     # block 0 has no sub-block -1; the last block only sees the sub-blocks that exist
     x = torch.tensor([5.0, 1.0, 2.0, 3.0, 4.0, 9.0])
     assert pooling.max_to_blocks(x, 3, paper).tolist() == [5.0, 9.0, float("-inf")]
 
 
 def test_query_aware_scores_by_hand():
-    cfg = Config.from_preset("tiny", B=4, l_c=4, s_c=2, n_win=1, k=8, k_q=2, H_q=2, H_kv=1, head_dim=2)
+    cfg = Config.from_preset(
+        "tiny", B=4, l_c=4, s_c=2, n_win=1, k=8, k_q=2, H_q=2, H_kv=1, head_dim=2
+    )
     T = 12
     q = torch.randn(1, 2, T, 2)
     k = torch.randn(1, 1, T, 2)
@@ -46,7 +64,9 @@ def test_query_aware_scores_by_hand():
     nb = 3
     Q = pooling.query_aware_scores(q, K_sub, torch.arange(T)[None], nb, cfg)
     for t in range(T):
-        vis = [m for m in range(K_sub.shape[2]) if 2 * m + 3 <= t]  # all tokens of the sub-block <= t
+        vis = [
+            m for m in range(K_sub.shape[2]) if 2 * m + 3 <= t
+        ]  # all tokens of the sub-block <= t
         P = [0.0] * K_sub.shape[2]
         for g in range(2):
             if not vis:

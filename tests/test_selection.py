@@ -1,17 +1,21 @@
 """Dual selection and the locality theorem (docs/METHOD.md §3, §5), under adversarial scores."""
+
 import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-import attention
 import eviction
+import eviction_kernels
 import nosa
+import nosa_kernels
 import pooling
+from attention_kernels import Tiles
 from config import Config
 from kvcache import SubBlockCache
 
 paper = Config.from_preset("paper")
+
 
 def core_mask(E, q_pos, cfg):
     """The query-agnostic core at each position (..., T, nb): the top n_core candidates by E.
@@ -43,7 +47,9 @@ def configs(draw):
     k_q = draw(st.integers(1, 5))
     k = n_sink + n_win + k_q + draw(st.integers(0, 5))
     try:
-        return Config.from_preset("tiny", B=B, l_c=l_c, s_c=s_c, n_sink=n_sink, n_win=n_win, k=k, k_q=k_q)
+        return Config.from_preset(
+            "tiny", B=B, l_c=l_c, s_c=s_c, n_sink=n_sink, n_win=n_win, k=k, k_q=k_q
+        )
     except ValueError:
         assume(False)
 
@@ -56,11 +62,17 @@ def decode_selections(cfg, E, n_steps, strategy, seed):
     g = torch.Generator().manual_seed(seed)
     R, nb = E.shape
     t0 = max(0, (cfg.k - 2) * cfg.B)
-    prev, evicted, out = torch.zeros(R, nb, dtype=torch.bool), torch.zeros(R, nb, dtype=torch.bool), []
+    prev, evicted, out = (
+        torch.zeros(R, nb, dtype=torch.bool),
+        torch.zeros(R, nb, dtype=torch.bool),
+        [],
+    )
     prev_core = None
     for t in range(t0, min(t0 + n_steps, nb * cfg.B)):
         noise = torch.rand(R, nb, generator=g, dtype=torch.float64)
-        Q = {"adversarial": (~prev).double(), "evicted": evicted.double(), "random": 0.0}[strategy] + 0.1 * noise
+        Q = {"adversarial": (~prev).double(), "evicted": evicted.double(), "random": 0.0}[
+            strategy
+        ] + 0.1 * noise
         pos = torch.full((R, 1), t)
         sel = nosa.select_blocks(Q[:, None], E, pos, cfg)[:, 0]
         core = core_mask(E, pos, cfg)[:, 0]
@@ -97,7 +109,9 @@ def check_locality(cfg, E, steps):
             if n_causal > cfg.k + 1:
                 # the eviction policy, applied incrementally, gives the same core
                 if pt // cfg.B != q_blk:
-                    assert torch.equal(evict(pcore[r], E[r], q_blk - cfg.n_win - 1, cfg.n_core), core[r])
+                    assert torch.equal(
+                        evict(pcore[r], E[r], q_blk - cfg.n_win - 1, cfg.n_core), core[r]
+                    )
                 else:
                     assert torch.equal(pcore[r], core[r])
     ever = torch.zeros_like(E, dtype=torch.bool)
@@ -108,13 +122,19 @@ def check_locality(cfg, E, steps):
 
 
 @settings(max_examples=60, deadline=None)
-@given(cfg=configs(), data=st.data(), strategy=st.sampled_from(["adversarial", "evicted", "random"]))
+@given(
+    cfg=configs(), data=st.data(), strategy=st.sampled_from(["adversarial", "evicted", "random"])
+)
 def test_locality_random_configs(cfg, data, strategy):
     R, nb = 3, cfg.k + 8
     # few distinct values: many ties, which the order (score, then later block) must break consistently
-    E = torch.tensor(data.draw(st.lists(st.integers(0, 3), min_size=R * nb, max_size=R * nb)),
-                     dtype=torch.float64).view(R, nb)
-    check_locality(cfg, E, decode_selections(cfg, E, 9 * cfg.B, strategy, data.draw(st.integers(0, 2**16))))
+    E = torch.tensor(
+        data.draw(st.lists(st.integers(0, 3), min_size=R * nb, max_size=R * nb)),
+        dtype=torch.float64,
+    ).view(R, nb)
+    check_locality(
+        cfg, E, decode_selections(cfg, E, 9 * cfg.B, strategy, data.draw(st.integers(0, 2**16)))
+    )
 
 
 @settings(max_examples=6, deadline=None)
@@ -122,9 +142,13 @@ def test_locality_random_configs(cfg, data, strategy):
 def test_locality_paper_preset(data, strategy):
     """The paper's defaults, 4 rows over 12 block boundaries (768 steps) each, E drawn per row."""
     R, nb = 4, paper.k + 12
-    E = torch.tensor(data.draw(st.lists(st.floats(-2, 2, allow_nan=False), min_size=R * nb, max_size=R * nb)),
-                     dtype=torch.float64).view(R, nb)
-    steps = decode_selections(paper, E, 12 * paper.B + 2, strategy, data.draw(st.integers(0, 2**16)))
+    E = torch.tensor(
+        data.draw(st.lists(st.floats(-2, 2, allow_nan=False), min_size=R * nb, max_size=R * nb)),
+        dtype=torch.float64,
+    ).view(R, nb)
+    steps = decode_selections(
+        paper, E, 12 * paper.B + 2, strategy, data.draw(st.integers(0, 2**16))
+    )
     assert check_locality(paper, E, steps) == 12
 
 
@@ -132,7 +156,9 @@ def test_few_blocks_selects_all_and_modes():
     cfg = Config.from_preset("tiny")
     Q, E = torch.rand(1, 40), torch.rand(40)
     for t in (0, 17, cfg.k * cfg.B - 1):
-        assert torch.equal(nosa.select_blocks(Q, E, torch.tensor([t]), cfg)[0], torch.arange(40) <= t // cfg.B)
+        assert torch.equal(
+            nosa.select_blocks(Q, E, torch.tensor([t]), cfg)[0], torch.arange(40) <= t // cfg.B
+        )
     t = torch.tensor([39 * cfg.B])
     cand = (torch.arange(40) >= cfg.n_sink) & (torch.arange(40) < 39 - cfg.n_win)
     # infllmv2 fills the budget by Q alone, dma by E alone
@@ -142,12 +168,19 @@ def test_few_blocks_selects_all_and_modes():
         assert torch.equal(sel & cand, want)
     # nosa: k_q best by Q, then the best of the rest by E
     sel = nosa.select_blocks(Q, E, t, cfg)[0]
-    pick_q = eviction.core_blocks(Q[0], cand, cfg.k_q - 1)  # the own block is the k_q-th query-aware block
-    assert torch.equal(sel & cand, pick_q | eviction.core_blocks(E, cand & ~pick_q, cfg.k_e - cfg.n_sink - cfg.n_win))
+    pick_q = eviction.core_blocks(
+        Q[0], cand, cfg.k_q - 1
+    )  # the own block is the k_q-th query-aware block
+    assert torch.equal(
+        sel & cand,
+        pick_q | eviction.core_blocks(E, cand & ~pick_q, cfg.k_e - cfg.n_sink - cfg.n_win),
+    )
 
 
 def test_rank_ties_prefer_recent():
-    r = eviction.rank_desc(torch.tensor([1.0, 2.0, 1.0, 2.0]), torch.tensor([True, True, True, False]))
+    r = eviction.rank_desc(
+        torch.tensor([1.0, 2.0, 1.0, 2.0]), torch.tensor([True, True, True, False])
+    )
     assert r.tolist() == [2, 0, 1, 4]
 
 
@@ -156,10 +189,17 @@ def test_rank_ties_prefer_recent():
 def test_top_k_without_sort_equals_rank(data, nb, n):
     """eviction.top_desc (top-k and a tie count: decode's query-aware picks) == rank_desc < n, with
     many ties and -inf scores."""
-    score = torch.tensor(data.draw(st.lists(st.sampled_from([-2.0, 0.0, 1.0, 3.0, float("-inf")]), min_size=nb,
-                                            max_size=nb)))
+    score = torch.tensor(
+        data.draw(
+            st.lists(
+                st.sampled_from([-2.0, 0.0, 1.0, 3.0, float("-inf")]), min_size=nb, max_size=nb
+            )
+        )
+    )
     valid = torch.tensor(data.draw(st.lists(st.booleans(), min_size=nb, max_size=nb)))
-    assert torch.equal(eviction.top_desc(score, valid, n), valid & (eviction.rank_desc(score, valid) < n))
+    assert torch.equal(
+        eviction.top_desc(score, valid, n), valid & (eviction.rank_desc(score, valid) < n)
+    )
 
 
 @settings(max_examples=40, deadline=None)
@@ -170,24 +210,50 @@ def test_select_step_kernel_equals_twin(cfg, data, attn):
     -inf and values apart only in their lowest bits, and each row's list of its best candidates by E
     (at times Q's own order, so that Q takes list members tied with its last pick)."""
     from dataclasses import replace
+
     cfg = replace(cfg, attn=attn)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     Bz, H, nb = 3, 2, data.draw(st.integers(1, 48))
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
-    values = torch.tensor([-1.0, 0.0, 0.25, 0.5, 1.0, float("-inf"),  # and neighbours that differ in low bits:
-                           1 + 2**-23, 1 + 2**-15, 1 - 2**-24, -1 - 2**-23, 0.5 + 2**-22, 2**-140, -(2**-140)])
-    Q = values[torch.randint(0, len(values) if data.draw(st.booleans()) else 6, (Bz, H, 1, nb), generator=g)]
+    values = torch.tensor(
+        [
+            -1.0,
+            0.0,
+            0.25,
+            0.5,
+            1.0,
+            float("-inf"),  # and neighbours that differ in low bits:
+            1 + 2**-23,
+            1 + 2**-15,
+            1 - 2**-24,
+            -1 - 2**-23,
+            0.5 + 2**-22,
+            2**-140,
+            -(2**-140),
+        ]
+    )
+    Q = values[
+        torch.randint(
+            0, len(values) if data.draw(st.booleans()) else 6, (Bz, H, 1, nb), generator=g
+        )
+    ]
     pos = torch.randint(0, nb * cfg.B, (Bz, 1), generator=g)
     n = cfg.n_core + cfg.k_q_free if cfg.eviction_head and cfg.n_core > 0 else 0
     ids = None
     if n:
         b = torch.arange(nb)
         cand = (b >= cfg.n_sink) & (b < pos[:, :, None] // cfg.B - cfg.n_win)  # (Bz, 1, nb)
-        E = Q[:, :, 0] if data.draw(st.booleans()) else values[torch.randint(0, 5, (Bz, H, nb), generator=g)]
-        ids = eviction.core_list(E, cand.expand(Bz, H, nb), n)[0]  # E = Q: the list and Q's picks overlap
+        E = (
+            Q[:, :, 0]
+            if data.draw(st.booleans())
+            else values[torch.randint(0, 5, (Bz, H, nb), generator=g)]
+        )
+        ids = eviction.core_list(E, cand.expand(Bz, H, nb), n)[
+            0
+        ]  # E = Q: the list and Q's picks overlap
         ids = ids.to(dev)
-    want = nosa.select_step_torch(Q, None if ids is None else ids.cpu(), pos, cfg)
-    got = nosa.select_step_triton(Q.to(dev), ids, pos.to(dev), cfg)
+    want = nosa.select_step(Q, None if ids is None else ids.cpu(), pos, cfg)  # the twin, on the CPU
+    got = nosa_kernels.select_step(Q.to(dev), ids, pos.to(dev), cfg)
     assert torch.equal(got.cpu(), want)
 
 
@@ -198,6 +264,7 @@ def test_select_tiles_kernel_equals_twin(cfg, data, attn):
     BT queries (union, bits, count) == the torch code, and those tiles hold select_blocks' mask: random
     configs and modes, a chunk of queries starting anywhere (tiles across block boundaries), ties or not."""
     from dataclasses import replace
+
     cfg = replace(cfg, attn=attn)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
@@ -213,33 +280,54 @@ def test_select_tiles_kernel_equals_twin(cfg, data, attn):
         Q = torch.rand(Bz, H, T, nb, generator=g)
     lists = None
     if cfg.eviction_head and cfg.n_core > 0:  # E from sub-block means of c of a few values: ties
-        c_sub = torch.randint(0, 3, (Bz, H, pooling.n_subblocks(start + T, cfg)), generator=g).float()
+        c_sub = torch.randint(
+            0, 3, (Bz, H, pooling.n_subblocks(start + T, cfg)), generator=g
+        ).float()
         lists = eviction.block_lists(c_sub, first, nb - 1, cfg)[0]
     U = min(nb, BT * cfg.k)
-    want = nosa.select_tiles_torch(Q, lists, first, q_pos, cfg, BT, U)
-    groups = data.draw(st.sampled_from([1, 2, 4, 128]))  # few groups: many keys to keep, and rows with too many
-    got = tiles_with_groups(groups, data.draw(st.sampled_from([1, 4])), Q.to(dev),
-                            None if lists is None else lists.to(dev), first, q_pos.to(dev), cfg, BT, U)
+    want = tiles_twin(Q, lists, first, q_pos, cfg, BT, U)
+    groups = data.draw(
+        st.sampled_from([1, 2, 4, 128])
+    )  # few groups: many keys to keep, and rows with too many
+    got = tiles_with_groups(
+        groups,
+        data.draw(st.sampled_from([1, 4])),
+        Q.to(dev),
+        None if lists is None else lists.to(dev),
+        first,
+        q_pos.to(dev),
+        cfg,
+        BT,
+        U,
+    )
     for w, x in zip(want, got):
         assert torch.equal(x.cpu(), w)
     ids = None if lists is None else nosa.query_lists(lists, q_pos, first, cfg)
     mask = nosa.select_blocks(Q, None, q_pos[:, None], cfg, ids)
-    assert torch.equal(attention.Tiles(*want, BT, T).mask(nb), mask)
+    assert torch.equal(Tiles(*want, BT, T).mask(nb), mask)
+
+
+def tiles_twin(Q, lists, first, q_pos, cfg, BT, U):
+    """What nosa_kernels.select_tiles writes, from the definition: select_blocks' mask as Tiles."""
+    ids = None if lists is None else nosa.query_lists(lists, q_pos, first, cfg)
+    tiles = Tiles.from_mask(nosa.select_blocks(Q, None, q_pos[:, None], cfg, ids), BT, U)
+    return tiles.idx, tiles.bits, tiles.n
 
 
 def tiles_with_groups(groups, per_pick, *args):
-    """select_tiles_triton(*args) with the kernel's groups of blocks and room for keys set (nosa._kth_best)."""
-    saved = nosa.GROUPS, nosa.CAP_PER_PICK
-    nosa.GROUPS, nosa.CAP_PER_PICK = groups, per_pick
+    """nosa_kernels.select_tiles(*args) with the kernel's groups of blocks and room for keys set
+    (nosa_kernels._kth_best)."""
+    saved = nosa_kernels.GROUPS, nosa_kernels.CAP_PER_PICK
+    nosa_kernels.GROUPS, nosa_kernels.CAP_PER_PICK = groups, per_pick
     try:
-        return nosa.select_tiles_triton(*args)
+        return nosa_kernels.select_tiles(*args)
     finally:
-        nosa.GROUPS, nosa.CAP_PER_PICK = saved
+        nosa_kernels.GROUPS, nosa_kernels.CAP_PER_PICK = saved
 
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_select_tiles_kernel_keeps_the_best_through_its_groups(tied):
-    """The selection kernel's k_q - 1 best candidates come through a few passes (nosa._kth_best): the best
+    """The selection kernel's k_q - 1 best candidates come through a few passes (_kth_best): the best
     key of each group of blocks, the keys at or above the (k_q - 1)-th best of those, then rounds over
     them; a row with more such keys than the kernel has room for takes rounds over every block. Rows of
     both kinds (counted here as the kernel counts), against the torch code, at the paper's k_q, 700 blocks."""
@@ -249,39 +337,51 @@ def test_select_tiles_kernel_keeps_the_best_through_its_groups(tied):
     T, nb, groups, KQ = 16, 700, 32, cfg.k_q_free
     start = nb * cfg.B - T
     q_pos = (start + torch.arange(T)).expand(1, T)
-    Q = torch.randint(0, 40, (T, nb), generator=g).float() if tied else torch.rand(T, nb, generator=g)
+    Q = (
+        torch.randint(0, 40, (T, nb), generator=g).float()
+        if tied
+        else torch.rand(T, nb, generator=g)
+    )
     b = torch.arange(nb)
-    Q[::2] += 100 * (b % groups < 3)  # every other row's best all in 3 of the 32 groups: too many keys to keep
+    Q[::2] += 100 * (
+        b % groups < 3
+    )  # every other row's best all in 3 of the 32 groups: too many keys to keep
     cand = (b >= cfg.n_sink) & (b < start // cfg.B - cfg.n_win)
-    key = torch.where(cand, Q.double() + b * 2.0**-40, float("-inf"))  # (score, block), ties to the recent one
-    L = torch.stack([key[:, b % groups == i].amax(1) for i in range(groups)], 1).topk(KQ, 1).values[:, -1:]
+    key = torch.where(
+        cand, Q.double() + b * 2.0**-40, float("-inf")
+    )  # (score, block), ties to the recent one
+    L = (
+        torch.stack([key[:, b % groups == i].amax(1) for i in range(groups)], 1)
+        .topk(KQ, 1)
+        .values[:, -1:]
+    )
     n = (key >= L).sum(1)
     cap = 4 * (1 << (KQ - 1).bit_length())
     assert (n[::2] > cap).all() and (n[1::2] <= cap).all(), n.tolist()
     Q, U = Q[None, None], min(nb, T * cfg.k)
-    want = nosa.select_tiles_torch(Q, None, start // cfg.B, q_pos, cfg, T, U)
+    want = tiles_twin(Q, None, start // cfg.B, q_pos, cfg, T, U)
     got = tiles_with_groups(groups, 4, Q.to(dev), None, start // cfg.B, q_pos.to(dev), cfg, T, U)
     for w, x in zip(want, got):
         assert torch.equal(x.cpu(), w)
 
 
-@pytest.mark.parametrize("tied, rows", [(False, None), (True, None), (False, 64)])
-def test_parallel_selection_equals_decode_selection(tied, rows, monkeypatch):
+@pytest.mark.parametrize("tied", [False, True])
+def test_parallel_selection_equals_decode_selection(tied):
     """The selection of token t in the parallel forward equals that at step t of decoding, which
     scores from the incrementally pooled caches, both from c̃ and from each row's list of its best
     candidates by E that the eviction policy keeps (ragged batch, fp64 so no rounding ties in Q;
-    tied: eviction scores of three values, so E ties everywhere and the order among equals counts;
-    rows: the parallel forward scores and selects that many queries at a time, not all 300 at once)."""
-    if rows:
-        monkeypatch.setattr(nosa, "SELECT_ROWS", rows)
-        monkeypatch.setattr(nosa, "SELECT_SCORES", 0)
+    tied: eviction scores of three values, so E ties everywhere and the order among equals counts)."""
     cfg = Config.from_preset("tiny", n_layer=1, B=8, l_c=8, s_c=2, n_win=1, k=6, k_q=2)
     Bz, T = 2, 300
     q = torch.randn(Bz, cfg.H_q, T, cfg.head_dim, dtype=torch.float64)
     k = torch.randn(Bz, cfg.H_kv, T, cfg.head_dim, dtype=torch.float64)
     v = torch.randn_like(k)
-    c = torch.randint(0, 3, (Bz, cfg.H_kv, T)).double() if tied else torch.randn(Bz, cfg.H_kv, T, dtype=torch.float64)
-    par = nosa.nosa_attention(q, k, v, c, cfg)[1].mask(pooling.n_blocks(T, cfg))  # (Bz, H_kv, T, nb)
+    c = (
+        torch.randint(0, 3, (Bz, cfg.H_kv, T)).double()
+        if tied
+        else torch.randn(Bz, cfg.H_kv, T, dtype=torch.float64)
+    )
+    par = nosa.nosa_attention(q, k, v, c, cfg)[1]  # (Bz, H_kv, T, nb)
     assert not par[:, :, -1].all(), "test too short: sparsity never kicks in"
     sub = SubBlockCache(cfg, Bz, "cpu", torch.float64)
     starts = [5, 40]
@@ -293,7 +393,9 @@ def test_parallel_selection_equals_decode_selection(tied, rows, monkeypatch):
         sub.append(0, k[rows, :, pos], c[rows, :, pos], pos, int(pos.max()))
         nb = pooling.n_blocks(int(pos.max()) + 1, cfg)
         q_t = q[rows, :, pos][:, :, None]
-        lists = nosa.core_lists(sub.c_sub[0], pos[:, None], cfg)  # from c̃, the lists from block 0 on
+        lists = nosa.core_lists(
+            sub.c_sub[0], pos[:, None], cfg
+        )  # from c̃, the lists from block 0 on
         dec = nosa.select(q_t, sub.K_sub[0], lists, pos[:, None], nb, cfg)[:, :, 0]
         dec_list = nosa.select(q_t, sub.K_sub[0], sub.core_ids[0], pos[:, None], nb, cfg)[:, :, 0]
         for i in range(Bz):
@@ -304,16 +406,19 @@ def test_parallel_selection_equals_decode_selection(tied, rows, monkeypatch):
             assert not dec[i, :, nbi:].any() and not dec_list[i, :, nbi:].any()
 
 
-@pytest.mark.parametrize("bad, msg", [
-    (dict(H_q=6, H_kv=4), "multiple of H_kv"),
-    (dict(B=10), "multiple of s_c"),
-    (dict(s_c=16), "s_c <= l_c"),
-    (dict(k_q=17), "k_q <= k"),
-    (dict(k=8), "sink and window blocks"),
-    (dict(k_q=0), "own block"),
-    (dict(n_win=0), "window"),
-    (dict(attn="dense"), "choose one of"),
-])
+@pytest.mark.parametrize(
+    "bad, msg",
+    [
+        (dict(H_q=6, H_kv=4), "multiple of H_kv"),
+        (dict(B=10), "multiple of s_c"),
+        (dict(s_c=16), "s_c <= l_c"),
+        (dict(k_q=17), "k_q <= k"),
+        (dict(k=8), "sink and window blocks"),
+        (dict(k_q=0), "own block"),
+        (dict(n_win=0), "window"),
+        (dict(attn="dense"), "choose one of"),
+    ],
+)
 def test_bad_configs_raise(bad, msg):
     with pytest.raises(ValueError, match=msg):
         Config.from_preset("tiny", **bad)
@@ -334,7 +439,9 @@ def test_core_list_kept_by_the_policy_equals_the_list_from_scratch():
             ids, E_ids = eviction.join_core_list(ids, E_ids, b_new, E[:, j])
             want_ids, want_E = eviction.core_list(E, (b <= j).expand(3, nb), n)
             assert torch.equal(ids, want_ids) and torch.equal(E_ids, want_E), (trial, j)
-        ids2, _ = eviction.join_core_list(ids, E_ids, torch.full((3,), -1), torch.zeros(3))  # no block leaves
+        ids2, _ = eviction.join_core_list(
+            ids, E_ids, torch.full((3,), -1), torch.zeros(3)
+        )  # no block leaves
         assert torch.equal(ids2, ids)
 
 
@@ -346,6 +453,7 @@ def test_block_lists_kept_chunk_by_chunk_equal_the_lists_from_scratch(cfg, data,
     CPU, and its torch loop) == the list from scratch (eviction.core_list) for every query block:
     random configs and chunk boundaries (mid-block too), E with ties and -inf."""
     from dataclasses import replace
+
     cfg = replace(cfg, attn=attn)
     assume(cfg.n_core > 0)  # (without a core there are no lists)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -361,12 +469,24 @@ def test_block_lists_kept_chunk_by_chunk_equal_the_lists_from_scratch(cfg, data,
     for e in ends:
         first, last = start // cfg.B, (e - 1) // cfg.B
         lists, carry = eviction.block_lists(c_sub, first, last, cfg, carry)
-        got, carry_gpu = eviction.block_lists_triton(c_sub.to(dev), first, last, cfg, carry_gpu or tuple(
-            x.to(dev) for x in eviction.block_lists(c_sub, 0, 0, cfg)[1][:2]) + (0,))
-        assert torch.equal(got.cpu(), lists) and torch.equal(carry_gpu[0].cpu(), carry[0]) and carry_gpu[2] == last
+        got, carry_gpu = eviction_kernels.block_lists(
+            c_sub.to(dev),
+            first,
+            last,
+            cfg,
+            carry_gpu
+            or tuple(x.to(dev) for x in eviction.block_lists(c_sub, 0, 0, cfg)[1][:2]) + (0,),
+        )
+        assert (
+            torch.equal(got.cpu(), lists)
+            and torch.equal(carry_gpu[0].cpu(), carry[0])
+            and carry_gpu[2] == last
+        )
         b = torch.arange(nb)
         for qb in range(first, last + 1):
-            want = eviction.core_list(E, ((b >= cfg.n_sink) & (b < qb - cfg.n_win)).expand_as(E), n)[0]
+            want = eviction.core_list(
+                E, ((b >= cfg.n_sink) & (b < qb - cfg.n_win)).expand_as(E), n
+            )[0]
             assert torch.equal(lists[:, :, qb - first], want), (qb, first, last)
         start = e
 
@@ -378,11 +498,16 @@ def test_selection_from_block_lists_equals_the_definition(cfg, data, attn):
     (nosa.core_lists, the list decoding keeps), not by ranking every block for every query: the same
     blocks as select_blocks from E itself, for random configs, ragged positions and many ties."""
     from dataclasses import replace
+
     cfg = replace(cfg, attn=attn)
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
     Bz, H, nb = 2, 2, data.draw(st.integers(1, 40))
     T = data.draw(st.integers(1, 3 * cfg.B))
-    start = torch.randint(0, nb * cfg.B - T + 1, (Bz, 1), generator=g) if nb * cfg.B > T else torch.zeros(Bz, 1)
+    start = (
+        torch.randint(0, nb * cfg.B - T + 1, (Bz, 1), generator=g)
+        if nb * cfg.B > T
+        else torch.zeros(Bz, 1)
+    )
     q_pos = (start + torch.arange(T)).long()  # (Bz, T)
     c_sub = torch.randint(0, 4, (Bz, H, pooling.n_subblocks(nb * cfg.B, cfg)), generator=g).double()
     E = eviction.eviction_block_scores(c_sub, nb, cfg)  # ties everywhere
@@ -397,12 +522,16 @@ def test_block_lists_before_the_first_whole_subblock():
     give the definition's blocks (a case hypothesis found: E of a block over no sub-blocks)."""
     cfg = Config.from_preset("tiny", B=2, l_c=4, s_c=2, n_sink=0, n_win=1, k=2, k_q=1)
     c_sub = torch.zeros(2, 2, 0, dtype=torch.float64)
-    assert torch.equal(eviction.block_score(c_sub, torch.zeros(2, 2, dtype=torch.long), cfg),
-                       torch.full((2, 2), float("-inf"), dtype=torch.float64))
+    assert torch.equal(
+        eviction.block_score(c_sub, torch.zeros(2, 2, dtype=torch.long), cfg),
+        torch.full((2, 2), float("-inf"), dtype=torch.float64),
+    )
     q_pos = torch.arange(5).expand(2, 5)
     Q = torch.randn(2, 2, 5, 1, dtype=torch.float64)
     want = nosa.select_blocks(Q, eviction.eviction_block_scores(c_sub, 1, cfg), q_pos[:, None], cfg)
-    assert torch.equal(nosa.select_blocks(Q, None, q_pos[:, None], cfg, nosa.core_lists(c_sub, q_pos, cfg)), want)
+    assert torch.equal(
+        nosa.select_blocks(Q, None, q_pos[:, None], cfg, nosa.core_lists(c_sub, q_pos, cfg)), want
+    )
 
 
 @pytest.mark.parametrize("inf_in", ["Q", "E", "both"])
@@ -415,19 +544,26 @@ def test_minus_inf_scores_still_fill_the_budget(inf_in):
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     nb, t = 30, 403
     g = torch.Generator().manual_seed(0)
-    Q, c_sub = torch.rand(1, 2, 1, nb, generator=g), torch.rand(1, 2, nb * cfg.B // cfg.s_c, generator=g)
+    Q, c_sub = (
+        torch.rand(1, 2, 1, nb, generator=g),
+        torch.rand(1, 2, nb * cfg.B // cfg.s_c, generator=g),
+    )
     if inf_in in ("Q", "both"):
         Q[..., 1:21] = float("-inf")
     if inf_in in ("E", "both"):  # the sub-blocks that overlap blocks 1 .. 20, and no others wholly
         c_sub[..., 3:84] = float("-inf")
     E = eviction.eviction_block_scores(c_sub, nb, cfg)
-    assert E[..., 1:21].isinf().all() == (inf_in != "Q") and E[..., 21:].isfinite().all() and E[..., 0].isfinite().all()
+    assert (
+        E[..., 1:21].isinf().all() == (inf_in != "Q")
+        and E[..., 21:].isfinite().all()
+        and E[..., 0].isfinite().all()
+    )
     pos = torch.tensor([[t]])
     want = nosa.select_blocks(Q, E, pos[:, None], cfg)
-    assert (want.sum(-1) == cfg.k).all() and not want[..., t // cfg.B + 1:].any()
+    assert (want.sum(-1) == cfg.k).all() and not want[..., t // cfg.B + 1 :].any()
     lists = nosa.core_lists(c_sub, pos, cfg)
     assert torch.equal(nosa.select_blocks(Q, None, pos[:, None], cfg, lists), want)
     row_list = lists[:, :, 0]  # what decoding keeps, one list per row
-    assert torch.equal(nosa.select_step_torch(Q, row_list, pos, cfg), want)
-    got = nosa.select_step_triton(Q.to(dev), row_list.to(dev), pos.to(dev), cfg)
+    assert torch.equal(nosa.select_step(Q, row_list, pos, cfg), want)  # the twin, on the CPU
+    got = nosa_kernels.select_step(Q.to(dev), row_list.to(dev), pos.to(dev), cfg)
     assert torch.equal(got.cpu(), want)

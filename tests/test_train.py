@@ -1,5 +1,6 @@
 """Training: the loss goes down, checkpoints round-trip exactly, resume is exact, bad checkpoints
 fail with one clear line, and DistributedDataParallel runs on CPU."""
+
 import json
 import os
 import subprocess
@@ -13,8 +14,22 @@ import checkpoint
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-small = dict(n_layer=2, dim=64, H_q=4, H_kv=2, head_dim=16, hidden_dim=128, vocab_size=300,
-             B=8, l_c=4, s_c=2, n_sink=1, n_win=2, k=8, k_q=2)
+small = dict(
+    n_layer=2,
+    dim=64,
+    H_q=4,
+    H_kv=2,
+    head_dim=16,
+    hidden_dim=128,
+    vocab_size=300,
+    B=8,
+    l_c=4,
+    s_c=2,
+    n_sink=1,
+    n_win=2,
+    k=8,
+    k_q=2,
+)
 run = dict(seq_len=128, batch_size=4, warmup=2, lr=3e-3, log_every=5, device="cpu")
 
 
@@ -22,7 +37,15 @@ run = dict(seq_len=128, batch_size=4, warmup=2, lr=3e-3, log_every=5, device="cp
 def corpus(tmp_path_factory):
     """A few standard-library modules as a small corpus."""
     d = tmp_path_factory.mktemp("corpus")
-    for name in ("argparse.py", "textwrap.py", "shlex.py", "fnmatch.py", "glob.py", "string.py", "bisect.py"):
+    for name in (
+        "argparse.py",
+        "textwrap.py",
+        "shlex.py",
+        "fnmatch.py",
+        "glob.py",
+        "string.py",
+        "bisect.py",
+    ):
         with open(os.path.join(sysconfig.get_paths()["stdlib"], name)) as f:
             (d / name).write_text(f.read())
     return str(d)
@@ -30,8 +53,15 @@ def corpus(tmp_path_factory):
 
 def test_loss_goes_down_and_checkpoint_round_trips(corpus, tmp_path):
     out = str(tmp_path / "ck")
-    model, val = train.main(out=out, data=corpus, data_dir=str(tmp_path / "data"), steps=30, eval_every=30,
-                            **run, **small)
+    model, val = train.main(
+        out=out,
+        data=corpus,
+        data_dir=str(tmp_path / "data"),
+        steps=30,
+        eval_every=30,
+        **run,
+        **small,
+    )
     state = json.load(open(os.path.join(out, "train_state.json")))
     assert state["step"] == 30 and val < 5.0  # log(300) = 5.7 at the start
     loaded, tok = checkpoint.load(out)
@@ -54,11 +84,15 @@ def test_resume_is_exact(corpus, tmp_path):
 
 def test_bad_checkpoints_fail_clearly(corpus, tmp_path):
     out = str(tmp_path / "ck")
-    train.main(out=out, data=corpus, data_dir=str(tmp_path / "data"), steps=2, eval_every=2, **run, **small)
+    train.main(
+        out=out, data=corpus, data_dir=str(tmp_path / "data"), steps=2, eval_every=2, **run, **small
+    )
     with pytest.raises(FileNotFoundError, match="no checkpoint directory"):
         checkpoint.load(str(tmp_path / "nowhere"))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(FileNotFoundError, match="lacks model.safetensors, config.json, tokenizer.json"):
+    with pytest.raises(
+        FileNotFoundError, match="lacks model.safetensors, config.json, tokenizer.json"
+    ):
         checkpoint.load(str(tmp_path / "empty"))
     weights = os.path.join(out, "model.safetensors")
     blob = open(weights, "rb").read()
@@ -67,7 +101,9 @@ def test_bad_checkpoints_fail_clearly(corpus, tmp_path):
         checkpoint.load(out)
     open(weights, "wb").write(blob)
     cfg = json.load(open(os.path.join(out, "config.json")))
-    json.dump({**cfg, "n_layer": 3}, open(os.path.join(out, "config.json"), "w"))  # config and weights disagree
+    json.dump(
+        {**cfg, "n_layer": 3}, open(os.path.join(out, "config.json"), "w")
+    )  # config and weights disagree
     with pytest.raises(ValueError, match="does not match its config"):
         checkpoint.load(out)
     json.dump({**cfg, "k": 2}, open(os.path.join(out, "config.json"), "w"))
@@ -79,26 +115,49 @@ def test_bad_checkpoints_fail_clearly(corpus, tmp_path):
     json.dump({**cfg, "head_dim": 8}, open(os.path.join(out, "config.json"), "w"))
     with pytest.raises(ValueError, match="has shape"):
         checkpoint.load(out)
-    json.dump({k: v for k, v in cfg.items() if k != "k"}, open(os.path.join(out, "config.json"), "w"))
-    with pytest.raises(ValueError, match="lacks 'k'"):  # our format writes every field: none defaults
+    json.dump(
+        {k: v for k, v in cfg.items() if k != "k"}, open(os.path.join(out, "config.json"), "w")
+    )
+    with pytest.raises(
+        ValueError, match="lacks 'k'"
+    ):  # our format writes every field: none defaults
         checkpoint.load(out)
 
 
 def test_ddp_two_processes_on_cpu(corpus, tmp_path):
     out = str(tmp_path / "ddp")
-    args = [f"--{k.replace('_', '-')}={v}" for k, v in
-            dict(data=corpus, data_dir=str(tmp_path / "data"), out=out, steps=3, eval_every=3, seq_len=64,
-                 batch_size=2, warmup=1, device="cpu").items()]
+    args = [
+        f"--{k.replace('_', '-')}={v}"
+        for k, v in dict(
+            data=corpus,
+            data_dir=str(tmp_path / "data"),
+            out=out,
+            steps=3,
+            eval_every=3,
+            seq_len=64,
+            batch_size=2,
+            warmup=1,
+            device="cpu",
+        ).items()
+    ]
     args += [f"--set={k}={v}" for k, v in small.items()]
-    ddp = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py"]
-    r = subprocess.run(ddp + args,
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    ddp = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "train.py",
+    ]
+    r = subprocess.run(ddp + args, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, f"stdout: {r.stdout[-3000:]}\nstderr (both ranks): {r.stderr[-8000:]}"
     assert "x 4 x 64 tokens" in r.stdout  # 2 processes x batch 2
     assert json.load(open(os.path.join(out, "train_state.json")))["step"] == 3
 
 
-def test_defaults_resolve_in_the_repository_and_never_overwrite(corpus, tmp_path, monkeypatch, capsys):
+def test_defaults_resolve_in_the_repository_and_never_overwrite(
+    corpus, tmp_path, monkeypatch, capsys
+):
     """Run from another directory, train.py writes its checkpoint and data cache under the
     repository's out/ and data/ (here a stand-in root), never into the working directory, and refuses
     to write into an existing checkpoint (the embedded model included) without --resume or --force."""
@@ -110,14 +169,19 @@ def test_defaults_resolve_in_the_repository_and_never_overwrite(corpus, tmp_path
     train.main(**kw)
     assert checkpoint.is_checkpoint(str(root / "out" / "tiny-nosa")) and (root / "data").is_dir()
     assert not list(cwd.iterdir())
-    with pytest.raises(FileExistsError, match="already holds a checkpoint: --resume continues it, --force"):
+    with pytest.raises(
+        FileExistsError, match="already holds a checkpoint: --resume continues it, --force"
+    ):
         train.main(**kw)
     with pytest.raises(FileExistsError, match="already holds a checkpoint"):
         train.main(out=checkpoint.DEFAULT_CHECKPOINT, **kw)
     train.main(force=True, **kw)
     capsys.readouterr()
     _, val = train.main(resume=True, **kw)  # the run is complete: nothing to do, and it says so
-    assert "is complete (step 2 of 2); to train further, --resume with a larger --steps" in capsys.readouterr().out
+    assert (
+        "is complete (step 2 of 2); to train further, --resume with a larger --steps"
+        in capsys.readouterr().out
+    )
     assert val == json.load(open(root / "out" / "tiny-nosa" / "train_state.json"))["val_loss"]
 
 
@@ -151,8 +215,12 @@ def test_a_kill_during_a_save_leaves_a_whole_checkpoint(corpus, tmp_path, where)
     kw = dict(data=corpus, data_dir=str(tmp_path / "data"), steps=8, eval_every=4, **run, **small)
     ref, _ = train.main(out=str(tmp_path / "ref"), **kw)
     out = str(tmp_path / "killed")
-    r = subprocess.run([sys.executable, "-c", KILLER.format(root=ROOT, where=where, kw={**kw, "out": out})],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", KILLER.format(root=ROOT, where=where, kw={**kw, "out": out})],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == -9, r.stderr[-2000:]
     model, _ = checkpoint.load(out)
     assert json.load(open(os.path.join(out, "train_state.json")))["step"] == 4
@@ -170,30 +238,50 @@ def test_data_that_is_not_text_is_refused(tmp_path, corpus):
     for i in range(3):
         (d / f"blob{i}.bin").write_bytes(os.urandom(20000))
     with pytest.raises(ValueError, match="mostly not UTF-8 text"):
-        train.main(out=str(tmp_path / "ck"), data=str(d), data_dir=str(tmp_path / "data"), **run, **small)
-    (d / "notes.txt").write_text(open(os.path.join(corpus, "argparse.py")).read())  # mostly text now: it trains
-    train.main(out=str(tmp_path / "ck"), data=str(d), data_dir=str(tmp_path / "data"), steps=1, **run, **small)
+        train.main(
+            out=str(tmp_path / "ck"), data=str(d), data_dir=str(tmp_path / "data"), **run, **small
+        )
+    (d / "notes.txt").write_text(
+        open(os.path.join(corpus, "argparse.py")).read()
+    )  # mostly text now: it trains
+    train.main(
+        out=str(tmp_path / "ck"),
+        data=str(d),
+        data_dir=str(tmp_path / "data"),
+        steps=1,
+        **run,
+        **small,
+    )
 
 
-@pytest.mark.parametrize("argv, msg", [
-    (["--set", "attn=full"], "has its own flag, --attn"),
-    (["--set", "k"], "write FIELD=VALUE"),
-    (["--set", "k=abc"], "k takes an integer"),
-    (["--set", "nope=1"], "unknown config field"),
-    (["--set", "k=3"], "invalid NOSA config"),
-    (["--resume", "--out", "/nonexistent/run"], "--resume: no checkpoint in '/nonexistent/run'"),
-    (["--eval-every", "0"], "--eval-every 0: must be at least 1"),
-    (["--batch-size", "0"], "--batch-size 0"),
-    (["--seq-len", "0"], "--seq-len 0"),
-    (["--steps", "0"], "--steps 0"),
-    (["--lr", "-1"], "--lr -1.0: must be positive"),
-    (["--out", checkpoint.DEFAULT_CHECKPOINT], "training never writes into"),
-] + ([(["--device", "cuda"], "sees no CUDA device")] if not torch.cuda.is_available() else []))
+@pytest.mark.parametrize(
+    "argv, msg",
+    [
+        (["--set", "attn=full"], "has its own flag, --attn"),
+        (["--set", "k"], "write FIELD=VALUE"),
+        (["--set", "k=abc"], "k takes an integer"),
+        (["--set", "nope=1"], "unknown config field"),
+        (["--set", "k=3"], "invalid NOSA config"),
+        (
+            ["--resume", "--out", "/nonexistent/run"],
+            "--resume: no checkpoint in '/nonexistent/run'",
+        ),
+        (["--eval-every", "0"], "--eval-every 0: must be at least 1"),
+        (["--batch-size", "0"], "--batch-size 0"),
+        (["--seq-len", "0"], "--seq-len 0"),
+        (["--steps", "0"], "--steps 0"),
+        (["--lr", "-1"], "--lr -1.0: must be positive"),
+        (["--out", checkpoint.DEFAULT_CHECKPOINT], "training never writes into"),
+    ]
+    + ([(["--device", "cuda"], "sees no CUDA device")] if not torch.cuda.is_available() else []),
+)
 def test_train_flags_fail_in_one_line(argv, msg, capsys):
     with pytest.raises(SystemExit) as e:
         train.cli(argv)
     err = capsys.readouterr().err
-    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ") and msg in err, err
+    assert (
+        e.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ") and msg in err
+    ), err
 
 
 def test_init_from_a_dense_model(corpus, tmp_path):
@@ -201,10 +289,21 @@ def test_init_from_a_dense_model(corpus, tmp_path):
     computes exactly what the dense one did on sequences of at most k·B tokens (every block selected,
     the eviction head's A = 0), and training goes on from there."""
     import json as _json
-    kw = dict(data=corpus, data_dir=str(tmp_path / "data"), **{**run, "seq_len": 64}, **small)  # k·B = 64
+
+    kw = dict(
+        data=corpus, data_dir=str(tmp_path / "data"), **{**run, "seq_len": 64}, **small
+    )  # k·B = 64
     dense, _ = train.main(out=str(tmp_path / "full"), attn="full", steps=6, eval_every=6, **kw)
-    init, _ = train.main(out=str(tmp_path / "nosa"), attn="nosa", steps=1, eval_every=1, lr=1e-12, warmup=0,
-                         init_from=str(tmp_path / "full"), **{k: v for k, v in kw.items() if k not in ("lr", "warmup")})
+    init, _ = train.main(
+        out=str(tmp_path / "nosa"),
+        attn="nosa",
+        steps=1,
+        eval_every=1,
+        lr=1e-12,
+        warmup=0,
+        init_from=str(tmp_path / "full"),
+        **{k: v for k, v in kw.items() if k not in ("lr", "warmup")},
+    )
     assert init.cfg.attn == "nosa" and init.layers[0].self_attn.A.abs().max() < 1e-9
     idx = torch.randint(0, 300, (2, 64))
     with torch.no_grad():
@@ -226,9 +325,13 @@ def test_out_never_replaces_what_is_not_ours(corpus, tmp_path):
     (user / "notes.txt").write_text("notes")
     (user / "sub" / "thesis.tex").write_text("x")
     for force in (False, True):
-        with pytest.raises(FileExistsError, match="holds notes.txt, sub, which is not a checkpoint of ours"):
+        with pytest.raises(
+            FileExistsError, match="holds notes.txt, sub, which is not a checkpoint of ours"
+        ):
             train.main(out=str(user), force=force, **kw)
-    assert (user / "notes.txt").read_text() == "notes" and (user / "sub" / "thesis.tex").read_text() == "x"
+    assert (user / "notes.txt").read_text() == "notes" and (
+        user / "sub" / "thesis.tex"
+    ).read_text() == "x"
     runs = tmp_path / "runs"
     train.main(out=str(runs / "a"), **kw)
     with pytest.raises(FileExistsError, match="holds a, which is not a checkpoint"):
@@ -237,10 +340,17 @@ def test_out_never_replaces_what_is_not_ours(corpus, tmp_path):
     for flags in (dict(force=True), dict(resume=True, steps=4)):
         with pytest.raises(FileExistsError, match="holds notes.txt"):
             train.main(out=str(runs / "a"), **{**kw, **flags})
-    assert (runs / "a" / "notes.txt").read_text() == "mine" and checkpoint.is_checkpoint(str(runs / "a"))
-    with pytest.raises(FileExistsError, match="not a checkpoint of ours: not replaced"):  # save itself refuses too
-        checkpoint.save(train.Transformer(checkpoint.load(str(runs / "a"))[0].cfg), checkpoint.byte_tokenizer(),
-                        str(runs / "a"))
+    assert (runs / "a" / "notes.txt").read_text() == "mine" and checkpoint.is_checkpoint(
+        str(runs / "a")
+    )
+    with pytest.raises(
+        FileExistsError, match="not a checkpoint of ours: not replaced"
+    ):  # save itself refuses too
+        checkpoint.save(
+            train.Transformer(checkpoint.load(str(runs / "a"))[0].cfg),
+            checkpoint.byte_tokenizer(),
+            str(runs / "a"),
+        )
     assert (runs / "a" / "notes.txt").read_text() == "mine"
     with pytest.raises(ValueError, match="training never writes into"):
         train.main(out=os.path.join(checkpoint.ROOT, "checkpoints", "tiny-nosa"), force=True, **kw)
@@ -270,14 +380,27 @@ def test_the_corpus_cache_follows_its_files(corpus, tmp_path):
 def test_resume_refuses_another_run(corpus, tmp_path):
     """--resume continues exactly the run saved: a different length, batch, learning rate, warm-up or
     corpus is refused in one line that names the flag."""
-    kw = dict(data=corpus, data_dir=str(tmp_path / "data"), steps=4, eval_every=2, stop_at=2, **run, **small)
+    kw = dict(
+        data=corpus,
+        data_dir=str(tmp_path / "data"),
+        steps=4,
+        eval_every=2,
+        stop_at=2,
+        **run,
+        **small,
+    )
     out = str(tmp_path / "ck")
     train.main(out=out, **kw)
     other = tmp_path / "other"
     other.mkdir()
     (other / "a.py").write_text(open(os.path.join(corpus, "argparse.py")).read())
-    for change, flag in ((dict(seq_len=64), "--seq-len"), (dict(batch_size=2), "--batch-size"), (dict(lr=1e-3), "--lr"),
-                         (dict(warmup=5), "--warmup"), (dict(data=str(other)), "--data")):
+    for change, flag in (
+        (dict(seq_len=64), "--seq-len"),
+        (dict(batch_size=2), "--batch-size"),
+        (dict(lr=1e-3), "--lr"),
+        (dict(warmup=5), "--warmup"),
+        (dict(data=str(other)), "--data"),
+    ):
         with pytest.raises(ValueError, match=f"--resume: the run in .* give {flag}"):
             train.main(out=out, resume=True, **{**kw, **change, "stop_at": None})
     train.main(out=out, resume=True, **{**kw, "stop_at": None})
@@ -289,11 +412,20 @@ def test_checks_before_work_and_one_line_errors(corpus, tmp_path, monkeypatch, c
     model says how to train it, and --set cannot change its shape; a checkpoint whose tensors are
     integers or hold NaN, or a file given as a checkpoint, is one line."""
     out = str(tmp_path / "ck")
-    argv = [f"--out={out}", f"--data={corpus}", f"--data-dir={tmp_path / 'data'}", "--steps=6", "--eval-every=2",
-            "--seq-len=128", "--device=cpu"] + [f"--set={k}={v}" for k, v in small.items()]
+    argv = [
+        f"--out={out}",
+        f"--data={corpus}",
+        f"--data-dir={tmp_path / 'data'}",
+        "--steps=6",
+        "--eval-every=2",
+        "--seq-len=128",
+        "--device=cpu",
+    ] + [f"--set={k}={v}" for k, v in small.items()]
     real = train.get_batch
 
-    def interrupt(data, batch_size, T, seed, step, *rest, **kw):  # Ctrl-C as training step 3 (0-based) begins
+    def interrupt(
+        data, batch_size, T, seed, step, *rest, **kw
+    ):  # Ctrl-C as training step 3 (0-based) begins
         if step == 3 and seed != 0:  # (evaluation draws with seed 0)
             raise KeyboardInterrupt
         return real(data, batch_size, T, seed, step, *rest, **kw)
@@ -303,18 +435,39 @@ def test_checks_before_work_and_one_line_errors(corpus, tmp_path, monkeypatch, c
         train.cli(argv)
     err = capsys.readouterr().err
     assert e.value.code == 130 and err.count("\n") == 1, err
-    assert f"training stopped at step 3; the last checkpoint, step 2, is in {out}: --resume continues it" in err
+    assert (
+        f"training stopped at step 3; the last checkpoint, step 2, is in {out}: --resume continues it"
+        in err
+    )
     monkeypatch.setattr(train, "get_batch", real)
-    with pytest.raises(FileNotFoundError, match="train the model to start from first, e.g. `python train.py --attn"):
-        train.main(out=str(tmp_path / "n"), init_from=str(tmp_path / "no-full"), data=corpus, **run, **small)
+    with pytest.raises(
+        FileNotFoundError, match="train the model to start from first, e.g. `python train.py --attn"
+    ):
+        train.main(
+            out=str(tmp_path / "n"),
+            init_from=str(tmp_path / "no-full"),
+            data=corpus,
+            **run,
+            **small,
+        )
     with pytest.raises(ValueError, match="--set dim=32: --init-from keeps the shape"):
-        train.main(out=str(tmp_path / "n"), init_from=out, data=corpus, data_dir=str(tmp_path / "data"),
-                   **run, **{**small, "dim": 32})
+        train.main(
+            out=str(tmp_path / "n"),
+            init_from=out,
+            data=corpus,
+            data_dir=str(tmp_path / "data"),
+            **run,
+            **{**small, "dim": 32},
+        )
     import safetensors.torch
+
     weights = os.path.join(out, "model.safetensors")
     sd = safetensors.torch.load_file(weights)
     name = next(iter(sd))
-    for bad, msg in ((sd[name].to(torch.int32), "is stored as I32"), (sd[name] * float("nan"), "NaN or infinite")):
+    for bad, msg in (
+        (sd[name].to(torch.int32), "is stored as I32"),
+        (sd[name] * float("nan"), "NaN or infinite"),
+    ):
         safetensors.torch.save_file({**sd, name: bad}, weights)
         with pytest.raises(ValueError, match=msg):
             checkpoint.load(out)
@@ -341,30 +494,63 @@ def test_recall_tasks(corpus, tmp_path):
     import numpy as np
 
     import tasks
+
     tok = checkpoint.load(checkpoint.DEFAULT_CHECKPOINT)[1]
     filler = np.array(tok.encode(open(os.path.join(corpus, "argparse.py")).read()).ids)
     for kind in tasks.KINDS:
         for distance in (100, 300, 590):
-            ids, at, n, fact = tasks.make_task(kind, tok, filler, 600, distance, np.random.default_rng(7))
+            ids, at, n, fact = tasks.make_task(
+                kind, tok, filler, 600, distance, np.random.default_rng(7)
+            )
             again = tasks.make_task(kind, tok, filler, 600, distance, np.random.default_rng(7))[0]
             facts, question, answer = tasks.task_pieces(kind, np.random.default_rng(7))
-            assert len(ids) == 600 and at + n == 600 and at - fact == distance and np.array_equal(ids, again)
-            assert tok.decode(ids[at:].tolist()) == answer and tok.decode(ids[fact:].tolist()).startswith(facts[0])
+            assert (
+                len(ids) == 600
+                and at + n == 600
+                and at - fact == distance
+                and np.array_equal(ids, again)
+            )
+            assert tok.decode(ids[at:].tolist()) == answer and tok.decode(
+                ids[fact:].tolist()
+            ).startswith(facts[0])
             assert tok.decode(ids[:at].tolist()).endswith(question)
-            answer_ids = tok.encode(answer).ids  # the answer is token for token a copy from the fact
-            assert tok.encode(facts[0]).ids[-len(answer_ids):] == answer_ids, (kind, facts[0], answer)
+            answer_ids = tok.encode(
+                answer
+            ).ids  # the answer is token for token a copy from the fact
+            assert tok.encode(facts[0]).ids[-len(answer_ids) :] == answer_ids, (
+                kind,
+                facts[0],
+                answer,
+            )
             if kind != "chain":  # and what precedes it there is the question, token for token
-                assert tok.encode(facts[0]).ids[:-len(answer_ids)] == tok.encode(question).ids, (kind, facts[0])
-    kw = dict(data=corpus, data_dir=str(tmp_path / "data"), steps=4, eval_every=2, tasks=0.5, **run, **small)
+                assert tok.encode(facts[0]).ids[: -len(answer_ids)] == tok.encode(question).ids, (
+                    kind,
+                    facts[0],
+                )
+    kw = dict(
+        data=corpus,
+        data_dir=str(tmp_path / "data"),
+        steps=4,
+        eval_every=2,
+        tasks=0.5,
+        **run,
+        **small,
+    )
     ref, _ = train.main(out=str(tmp_path / "a"), **kw)
     half, _ = train.main(out=str(tmp_path / "b"), stop_at=2, **kw)
     half = {n: t.clone() for n, t in half.state_dict().items()}
     resumed, _ = train.main(out=str(tmp_path / "b"), resume=True, **kw)
-    assert all(torch.equal(x, y) for x, y in zip(ref.state_dict().values(), resumed.state_dict().values()))
+    assert all(
+        torch.equal(x, y) for x, y in zip(ref.state_dict().values(), resumed.state_dict().values())
+    )
     with pytest.raises(ValueError, match="--resume: the run in .* give --tasks"):
         train.main(out=str(tmp_path / "b"), resume=True, **{**kw, "tasks": 0.1, "steps": 6})
-    weighted, _ = train.main(out=str(tmp_path / "c"), stop_at=2, answer_weight=50.0, **kw)  # the same batches,
-    assert not all(torch.equal(half[n], t) for n, t in weighted.state_dict().items())  # the answers weighing more
+    weighted, _ = train.main(
+        out=str(tmp_path / "c"), stop_at=2, answer_weight=50.0, **kw
+    )  # the same batches,
+    assert not all(
+        torch.equal(half[n], t) for n, t in weighted.state_dict().items()
+    )  # the answers weighing more
     with pytest.raises(ValueError, match="--resume: the run in .* give --answer-weight"):
         train.main(out=str(tmp_path / "c"), resume=True, **kw)
 
@@ -375,17 +561,30 @@ def test_answer_weight(corpus):
     import re
 
     import numpy as np
+
     tok = checkpoint.load(checkpoint.DEFAULT_CHECKPOINT)[1]
-    data = np.array(tok.encode(open(os.path.join(corpus, "argparse.py")).read() * 3).ids, dtype=np.uint16)
-    x, y, w = train.get_batch(data, 6, 400, 1, 3, 0, torch.device("cpu"), tasks=1.0, tok=tok, answer_weight=8.0)
+    data = np.array(
+        tok.encode(open(os.path.join(corpus, "argparse.py")).read() * 3).ids, dtype=np.uint16
+    )
+    x, y, w = train.get_batch(
+        data, 6, 400, 1, 3, 0, torch.device("cpu"), tasks=1.0, tok=tok, answer_weight=8.0
+    )
     for r in range(6):
         at = (w[r] == 8.0).nonzero().flatten()
-        assert len(at) > 0 and torch.equal(at, torch.arange(at[0], at[-1] + 1)) and torch.all(w[r][w[r] != 8.0] == 1)
+        assert (
+            len(at) > 0
+            and torch.equal(at, torch.arange(at[0], at[-1] + 1))
+            and torch.all(w[r][w[r] != 8.0] == 1)
+        )
         assert re.fullmatch(r" \d+\n", tok.decode(y[r, at].tolist())), tok.decode(y[r, at].tolist())
-        assert re.search(r"assert \w+ ==$", tok.decode(x[r, :at[0] + 1].tolist()))
-    assert train.get_batch(data, 6, 400, 1, 3, 0, torch.device("cpu"), tasks=1.0, tok=tok)[2] is None
+        assert re.search(r"assert \w+ ==$", tok.decode(x[r, : at[0] + 1].tolist()))
+    assert (
+        train.get_batch(data, 6, 400, 1, 3, 0, torch.device("cpu"), tasks=1.0, tok=tok)[2] is None
+    )
     logits = torch.randn(6, 400, tok.get_vocab_size())
-    each = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(6, 400)
+    each = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), y.flatten(), reduction="none"
+    ).view(6, 400)
     assert torch.allclose(train.lm_loss(logits, y, w), (each * w).sum() / w.sum())
     assert torch.allclose(train.lm_loss(logits, y), each.mean())
     with pytest.raises(ValueError, match="--answer-weight 5.0: .* with --tasks"):

@@ -1,0 +1,162 @@
+"""
+The training data: a corpus's documents -> a byte-level BPE -> token streams cached on disk, and
+random windows of them (with long-range recall tasks mixed in, tasks.py). The default corpus is the
+Python standard library's own source and pydoc topics, read from the running interpreter: text that
+every machine has, no download.
+"""
+
+import glob
+import hashlib
+import os
+import sysconfig
+
+import numpy as np
+import torch
+
+import tasks as recall
+from checkpoint import EOT
+
+# CPython 3.11.7's standard library (9.0M training tokens): the embedded model's and BENCHMARKS.md's
+STDLIB_CORPUS = "fd99d1cd9f50"
+
+
+def source_files(data=None):
+    """The files a corpus is read from: under `data` (a file or a directory), else the standard
+    library's .py sources (and pydoc_data's topics)."""
+    if not data:
+        from pydoc_data import topics
+
+        root = sysconfig.get_paths()["stdlib"]
+        return sorted(
+            p
+            for p in glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
+            if "site-packages" not in p
+        ) + [topics.__file__]
+    paths = (
+        [data]
+        if os.path.isfile(data)
+        else sorted(
+            p for p in glob.glob(os.path.join(data, "**", "*"), recursive=True) if os.path.isfile(p)
+        )
+    )
+    if not paths:
+        raise FileNotFoundError(
+            f"--data {data!r}: no files found; give a text file or a directory of them"
+        )
+    return paths
+
+
+def corpus_id(data=None):
+    """A hash of the corpus's files (their names and contents): the cache of its token streams is
+    rebuilt when any of them changes, and a checkpoint records what it was trained on; the same
+    files give the same hash on any machine."""
+    h = hashlib.sha1()
+    for p in source_files(data):
+        h.update(os.path.relpath(p, data or sysconfig.get_paths()["stdlib"]).encode() + b"\0")
+        with open(p, "rb") as f:
+            h.update(hashlib.sha1(f.read()).digest())
+    return h.hexdigest()[:12]
+
+
+def documents(data=None):
+    """(name, text) pairs: the UTF-8 text files under `data` (a file or a directory), else the standard
+    library's .py sources and pydoc topics. Files that are not text are skipped, and said so; input
+    that is mostly not text is refused."""
+    paths = source_files(data)
+    if not data:
+        from pydoc_data import topics
+
+        docs = [(f"pydoc:{k}", v) for k, v in sorted(topics.topics.items())]
+        for p in paths[:-1]:
+            with open(p, encoding="utf-8", errors="replace") as f:
+                docs.append((p, f.read()))
+        return docs
+    docs, skipped, n_text, n_all = [], 0, 0, 0
+    for p in paths:
+        with open(p, "rb") as f:
+            raw = f.read()
+        n_all += len(raw)
+        try:
+            if b"\0" in raw:
+                raise UnicodeDecodeError("utf-8", raw, 0, 1, "NUL byte")
+            docs.append((p, raw.decode("utf-8")))
+            n_text += len(raw)
+        except UnicodeDecodeError:
+            skipped += 1
+    print(
+        f"--data {data}: {len(docs)} text files, {n_text / 1e6:.2f} MB of text ({100 * n_text / max(n_all, 1):.0f}% "
+        f"of the input); skipped {skipped} files that are not UTF-8 text"
+    )
+    if n_text == 0 or n_text < n_all / 2:
+        raise ValueError(
+            f"--data {data!r} is mostly not UTF-8 text ({n_text} of {n_all} bytes): point it at text "
+            f"files"
+        )
+    return docs
+
+
+def is_val(name):
+    """Split by document (5% to validation), stable across machines and runs."""
+    return int(hashlib.sha1(os.path.basename(name).encode()).hexdigest(), 16) % 20 == 0
+
+
+def prepare(data_dir, vocab_size, data=None):
+    """Train the tokenizer and write train.bin / val.bin (uint16 tokens) once; reuse them after."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok_path = os.path.join(data_dir, "tokenizer.json")
+    if all(
+        os.path.exists(os.path.join(data_dir, f))
+        for f in ("tokenizer.json", "train.bin", "val.bin")
+    ):
+        return Tokenizer.from_file(tok_path)
+    docs = documents(data)
+    os.makedirs(data_dir, exist_ok=True)
+    val = {name for name, _ in docs if is_val(name)}
+    if len(val) in (
+        0,
+        len(docs),
+    ):  # too few documents to hold some out: hold out the last 5% of each instead
+        cut = [(name, int(0.95 * len(text))) for name, text in docs]
+        docs = [(f"{n}:train", t[:c]) for (n, t), (_, c) in zip(docs, cut)] + [
+            (f"{n}:val", t[c:]) for (n, t), (_, c) in zip(docs, cut)
+        ]
+        val = {name for name, _ in docs if name.endswith(":val")}
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator((text for name, text in docs if name not in val), trainer)
+    eot = tok.token_to_id(EOT)
+    for split in ("train", "val"):
+        texts = [text for name, text in docs if (name in val) == (split == "val")]
+        ids = [i for enc in tok.encode_batch(texts) for i in enc.ids + [eot]]
+        np.array(ids, dtype=np.uint16).tofile(os.path.join(data_dir, f"{split}.bin"))
+    tok.save(tok_path)
+    return tok
+
+
+def get_batch(
+    data, batch_size, T, seed, step, rank, device, tasks=0.0, tok=None, answer_weight=1.0
+):
+    """Random windows of T+1 tokens, a fraction `tasks` of them replaced by long-range recall tasks
+    (tasks.py, their filler from the same data); the draw depends only on (seed, step, rank), so a
+    resumed run sees exactly the batches the uninterrupted one would have. Returns inputs, targets
+    and the targets' weights in the loss: None (all alike) unless the tasks' answers weigh more."""
+    rng = np.random.default_rng([seed, step, rank])
+    ix = rng.integers(0, len(data) - T - 1, size=batch_size)
+    x = np.stack([data[i : i + T + 1].astype(np.int64) for i in ix])
+    answers = recall.mix_tasks(x, tasks, tok, data, rng) if tasks else []
+    w = None
+    if answer_weight != 1.0:
+        w = np.ones((batch_size, T), dtype=np.float32)
+        for r, at, n in answers:
+            w[r, at - 1 : at - 1 + n] = answer_weight  # target i is token i + 1
+        w = torch.from_numpy(w).to(device, non_blocking=True)
+    x = torch.from_numpy(x).to(device, non_blocking=True)
+    return x[:, :-1], x[:, 1:], w
