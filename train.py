@@ -19,7 +19,7 @@ import os
 import sys
 import sysconfig
 import time
-from dataclasses import replace
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
@@ -78,155 +78,223 @@ def evaluate(model, val, batch_size, T, device, n_batches=8):
     return sum(losses) / len(losses)
 
 
-def main(
-    preset="tiny",
-    attn="nosa",
-    out=None,
-    data=None,
-    data_dir=None,
-    steps=120,
-    batch_size=4,
-    seq_len=1024,
-    lr=3e-3,
-    warmup=20,
-    weight_decay=0.1,
-    grad_clip=1.0,
-    eval_every=40,
-    seed=1337,
-    device=None,
-    resume=False,
-    force=False,
-    stop_at=None,
-    save_bf16=False,
-    log_every=10,
-    evict_lr_mult=1.0,
-    init_from=None,
-    tasks=0.0,
-    corpus=None,
-    answer_weight=1.0,
-    **overrides,
-):
-    """Train; returns (model, last validation loss). `overrides` go to the Config (tests use tiny shapes).
-    out defaults to out/{preset}-{attn} and data_dir to data/, both in the repository, whatever the
-    working directory. An existing checkpoint in out is continued with resume, replaced with force,
-    and otherwise left alone. init_from: start from that checkpoint's weights (its shape; any mode),
-    e.g. NOSA continued from a dense model, as the paper trains; an eviction head it lacks starts
-    from its initialisation (A = 0: the first steps compute what the dense model did). corpus: train on the
-    token streams already prepared for that corpus id in data_dir, without its files (another machine's
-    standard library, carried as data/ID-VOCAB)."""
-    for name, value, least in (
-        ("--steps", steps, 1),
-        ("--batch-size", batch_size, 1),
-        ("--seq-len", seq_len, 1),
-        ("--eval-every", eval_every, 1),
-        ("--log-every", log_every, 1),
-        ("--warmup", warmup, 0),
-        ("--stop-at", stop_at or 1, 1),
-    ):
-        if value < least:
-            raise ValueError(f"{name} {value}: must be at least {least}")
-    if not lr > 0:
-        raise ValueError(f"--lr {lr}: must be positive")
-    if not 0 <= tasks <= 1:
-        raise ValueError(f"--tasks {tasks}: a fraction of the training windows, from 0 to 1")
-    if not answer_weight > 0 or (answer_weight != 1.0 and not tasks):
-        raise ValueError(
-            f"--answer-weight {answer_weight}: a positive weight of the tasks' answers, with --tasks"
-        )
-    common.pick_device(device)  # a device this torch lacks fails here, before anything else
-    out = out or os.path.join(checkpoint.ROOT, "out", f"{preset}-{attn}")
-    data_dir = data_dir or os.path.join(checkpoint.ROOT, "data")
-    if init_from and resume:
-        raise ValueError("--init-from starts a new run; --resume continues one: give one of them")
-    if init_from:
-        init_from = checkpoint.resolve(init_from)
-        if not checkpoint.is_checkpoint(init_from):
-            raise FileNotFoundError(
-                f"--init-from {init_from}: no checkpoint there; train the model to start from "
-                f"first, e.g. `python train.py --attn full --out {init_from}`"
-            )
-        init_model, init_tok = checkpoint.load(init_from, dtype=torch.float32)
-        shape = [
-            k for k in overrides if k in SHAPE_FIELDS and overrides[k] != getattr(init_model.cfg, k)
-        ]
-        if shape:
-            raise ValueError(
-                f"--set {shape[0]}={overrides[shape[0]]}: --init-from keeps the shape of {init_from} "
-                f"({shape[0]}={getattr(init_model.cfg, shape[0])}); drop it, or start a new run"
-            )
-        cfg = replace(
-            init_model.cfg, attn=attn, **overrides
-        )  # invalid configs fail here, before any work
-    else:
-        cfg = Config.from_preset(preset, attn=attn, **overrides)
-    if seq_len > cfg.max_seq_len:
-        raise ValueError(f"--seq-len {seq_len} exceeds the preset's max_seq_len {cfg.max_seq_len}")
-    checkpoint.check_out(
-        out
-    )  # before anything: never into checkpoints/, over the user's files, or unwritable
-    if resume and not checkpoint.is_checkpoint(out):
-        raise FileNotFoundError(
-            f"--resume: no checkpoint in {out!r} to continue; drop --resume to start a run there"
-        )
-    if not resume and not force and checkpoint.is_checkpoint(out):
-        raise FileExistsError(
-            f"{out!r} already holds a checkpoint: --resume continues it, --force replaces it, "
-            f"--out DIR writes elsewhere"
-        )
-    state = json.load(open(os.path.join(out, "train_state.json"))) if resume else None
-    if state and state["step"] >= steps:
-        print(
-            f"the run in {out} is complete (step {state['step']} of {steps}); to train further, --resume with "
-            f"a larger --steps (the learning-rate schedule is stretched to it)"
-        )
-        return checkpoint.load(out, dtype=torch.float32)[0], state.get("val_loss")
+@dataclass
+class Options:
+    """The flags of `python train.py` (cli says what each does); Config fields go apart (--set)."""
 
-    ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    preset: str = "tiny"
+    attn: str = "nosa"
+    out: str = None  # default: out/{preset}-{attn} in the repository
+    data: str = None  # default: the standard library
+    data_dir: str = None  # default: data/ in the repository
+    steps: int = 120
+    batch_size: int = 4
+    seq_len: int = 1024
+    lr: float = 3e-3
+    warmup: int = 20
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    eval_every: int = 40
+    seed: int = 1337
+    device: str = None
+    resume: bool = False
+    force: bool = False
+    stop_at: int = None
+    save_bf16: bool = False
+    log_every: int = 10
+    evict_lr_mult: float = 1.0
+    init_from: str = None
+    tasks: float = 0.0
+    corpus: str = None
+    answer_weight: float = 1.0
+
+    def check(self):
+        """One line for a flag out of range, before any work."""
+        for name, least in (
+            ("steps", 1),
+            ("batch_size", 1),
+            ("seq_len", 1),
+            ("eval_every", 1),
+            ("log_every", 1),
+            ("warmup", 0),
+            ("stop_at", 1),
+        ):
+            value = getattr(self, name)
+            if value is not None and value < least:
+                raise ValueError(f"--{name.replace('_', '-')} {value}: must be at least {least}")
+        if not self.lr > 0:
+            raise ValueError(f"--lr {self.lr}: must be positive")
+        if not 0 <= self.tasks <= 1:
+            raise ValueError(
+                f"--tasks {self.tasks}: a fraction of the training windows, from 0 to 1"
+            )
+        if not self.answer_weight > 0 or (self.answer_weight != 1.0 and not self.tasks):
+            raise ValueError(
+                f"--answer-weight {self.answer_weight}: a positive weight of the "
+                f"tasks' answers, with --tasks"
+            )
+        if self.init_from and self.resume:
+            raise ValueError(
+                "--init-from starts a new run; --resume continues one: give one of them"
+            )
+        common.pick_device(self.device)  # a device this torch lacks fails here
+        self.out = self.out or os.path.join(checkpoint.ROOT, "out", f"{self.preset}-{self.attn}")
+        self.data_dir = self.data_dir or os.path.join(checkpoint.ROOT, "data")
+
+
+def main(**flags):
+    """Train; returns (model, last validation loss). Flags: Options, and Config fields (tests use
+    tiny shapes). An existing checkpoint in out is continued with resume, replaced with force, and
+    otherwise left alone. init_from: start from that checkpoint's weights (its shape, any mode), e.g.
+    NOSA continued from a dense model, as the paper trains; an eviction head it lacks starts at A = 0.
+    corpus: train on the token streams already prepared for that corpus id in data_dir."""
+    names = {f.name for f in fields(Options)}
+    o = Options(**{k: v for k, v in flags.items() if k in names})
+    o.check()
+    cfg, init = configure(o, {k: v for k, v in flags.items() if k not in names})
+    state = check_out(o)
+    if state and state["step"] >= o.steps:
+        print(
+            f"the run in {o.out} is complete (step {state['step']} of {o.steps}); to train "
+            f"further, --resume with a larger --steps (the schedule is stretched to it)"
+        )
+        return checkpoint.load(o.out, dtype=torch.float32)[0], state.get("val_loss")
+    rank, world, device = start_processes(o.device)
+    master = rank == 0
+    # a fixed thread count also turns off MKL's dynamic threads, which under load sum in another
+    # order: without it a run resumed on a busy machine is not bit for bit the run it continues
+    torch.set_num_threads(torch.get_num_threads())
+    tok, train_data, val_data, run = load_data(o, cfg, state, world, master)
+    torch.manual_seed(o.seed)
+    model = Transformer(cfg).to(device)
+    if init:
+        start_from(model, *init, tok, o.init_from, master)
+    opt, evict = optimizer(model, o, device)
+    step = 0
+    if o.resume:
+        step = resume(model, opt, cfg, state, o.out, device, master)
+    raw = model
+    if world > 1:
+        ids = [device.index] if device.type == "cuda" else None
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    if master:
+        print(
+            f"{o.attn} | {sum(p.numel() for p in raw.parameters()) / 1e6:.2f}M parameters | "
+            f"{len(train_data) / 1e6:.1f}M train tokens (corpus {o.data or 'stdlib'} "
+            f"{run['corpus']}) | {o.steps} steps x {o.batch_size * world} x {o.seq_len} tokens "
+            f"| {device} | checkpoints to {o.out}"
+        )
+    step, val_loss = train_steps(
+        o, model, raw, opt, evict, step, tok, train_data, val_data, run, device, rank, world
+    )
+    if master and step == o.steps:
+        print(f"done: generate with `python generate.py --checkpoint {o.out}`")
+    if world > 1:  # leave without freeing the DDP wrapper: its process group's destructor joins the
+        dist.barrier()  # gloo threads holding the GIL, which a thread releasing a finished work
+        dist.destroy_process_group()  # item may wait for (a deadlock at exit, 1 run in 3)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    return raw, val_loss
+
+
+def configure(o, overrides):
+    """The run's Config: the preset's with --set's fields, or --init-from's (its shape, this mode).
+    Returns it and (the model, tokenizer) to start from, or None."""
+    if not o.init_from:
+        cfg = Config.from_preset(o.preset, attn=o.attn, **overrides)
+        init = None
+    else:
+        o.init_from = checkpoint.resolve(o.init_from)
+        if not checkpoint.is_checkpoint(o.init_from):
+            raise FileNotFoundError(
+                f"--init-from {o.init_from}: no checkpoint there; train the model "
+                f"to start from first, e.g. `python train.py --attn full --out "
+                f"{o.init_from}`"
+            )
+        init = checkpoint.load(o.init_from, dtype=torch.float32)
+        have = init[0].cfg
+        shape = [k for k in overrides if k in SHAPE_FIELDS and overrides[k] != getattr(have, k)]
+        if shape:
+            k = shape[0]
+            raise ValueError(
+                f"--set {k}={overrides[k]}: --init-from keeps the shape of "
+                f"{o.init_from} ({k}={getattr(have, k)}); drop it, or start a new run"
+            )
+        cfg = replace(have, attn=o.attn, **overrides)  # an invalid config fails here
+    if o.seq_len > cfg.max_seq_len:
+        raise ValueError(
+            f"--seq-len {o.seq_len} exceeds the preset's max_seq_len {cfg.max_seq_len}"
+        )
+    return cfg, init
+
+
+def check_out(o):
+    """--out before anything (never into checkpoints/, over the user's files, or unwritable), and
+    what it holds: the state of the run to resume, or None."""
+    checkpoint.check_out(o.out)
+    if o.resume and not checkpoint.is_checkpoint(o.out):
+        raise FileNotFoundError(
+            f"--resume: no checkpoint in {o.out!r} to continue; drop --resume to start a run there"
+        )
+    if not o.resume and not o.force and checkpoint.is_checkpoint(o.out):
+        raise FileExistsError(
+            f"{o.out!r} already holds a checkpoint: --resume continues it, --force "
+            f"replaces it, --out DIR writes elsewhere"
+        )
+    return json.load(open(os.path.join(o.out, "train_state.json"))) if o.resume else None
+
+
+def start_processes(device):
+    """(rank, world size, device): DistributedDataParallel under torchrun (NCCL on GPUs, gloo on
+    CPUs), else one process."""
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    if ddp:
+    if world > 1:
         backend = "nccl" if torch.cuda.is_available() and device != "cpu" else "gloo"
         dist.init_process_group(backend)
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
             device = f"cuda:{os.environ['LOCAL_RANK']}"
-    device = common.pick_device(device)
-    master = rank == 0
-    # a fixed thread count also turns off MKL's dynamic threads, which under load may use fewer threads and
-    # so sum in another order: without it, a run resumed on a busy machine is not bit for bit the run it continues
-    torch.set_num_threads(torch.get_num_threads())
+    return rank, world, common.pick_device(device)
 
+
+def load_data(o, cfg, state, world, master):
+    """The tokenizer and the token streams (made once, cached by the corpus's hash), and the run's
+    record; a resumed run must be the saved one, flag for flag."""
+    corpus = o.corpus
     if corpus is None:
-        corpus = corpus_id(data)  # the cache follows the files: any change of them makes a new one
-    elif data or not os.path.exists(
-        os.path.join(data_dir, f"{corpus}-{cfg.vocab_size}", "train.bin")
+        corpus = corpus_id(o.data)  # the cache follows the files: a change of them makes a new one
+    elif o.data or not os.path.exists(
+        os.path.join(o.data_dir, f"{corpus}-{cfg.vocab_size}", "train.bin")
     ):
         raise FileNotFoundError(
-            f"--corpus {corpus}: no prepared token streams in {data_dir}/{corpus}-{cfg.vocab_size}"
-            f" (prepare them where the files are, with train.py, and copy that directory), and "
-            f"no --data beside it"
+            f"--corpus {corpus}: no prepared token streams in {o.data_dir}/"
+            f"{corpus}-{cfg.vocab_size} (prepare them where the files are, with "
+            f"train.py, and copy that directory), and no --data beside it"
         )
-    if master and not data and corpus != STDLIB_CORPUS:
+    if master and not o.data and corpus != STDLIB_CORPUS:
         print(
-            f"note: this interpreter's standard library (Python {sysconfig.get_python_version()}, corpus {corpus}) "
-            f"is not the corpus of the embedded model and of BENCHMARKS.md (CPython 3.11.7's, {STDLIB_CORPUS}): "
-            f"token counts and losses will differ from the README's",
+            f"note: this interpreter's standard library (Python {sysconfig.get_python_version()}, "
+            f"corpus {corpus}) is not the corpus of the embedded model and of BENCHMARKS.md "
+            f"(CPython 3.11.7's, {STDLIB_CORPUS}): token counts and losses will differ from the "
+            f"README's",
             flush=True,
         )
-    data_dir = os.path.join(data_dir, f"{corpus}-{cfg.vocab_size}")
+    data_dir = os.path.join(o.data_dir, f"{corpus}-{cfg.vocab_size}")
     run = dict(
-        seq_len=seq_len,
-        batch_size=batch_size * world,
-        lr=lr,
-        warmup=warmup,
-        weight_decay=weight_decay,
-        grad_clip=grad_clip,
-        seed=seed,
-        evict_lr_mult=evict_lr_mult,
+        seq_len=o.seq_len,
+        batch_size=o.batch_size * world,
+        lr=o.lr,
+        warmup=o.warmup,
+        weight_decay=o.weight_decay,
+        grad_clip=o.grad_clip,
+        seed=o.seed,
+        evict_lr_mult=o.evict_lr_mult,
         corpus=corpus,
-        tasks=tasks,
-        answer_weight=answer_weight,
-    )  # the run
-    if resume:  # continue exactly that run, or say which flag differs (older checkpoints lack some of these)
+        tasks=o.tasks,
+        answer_weight=o.answer_weight,
+    )
+    if state:  # continue exactly that run (older checkpoints lack some of these)
         flag = dict(
             batch_size="--batch-size (times the processes)",
             corpus="--data (its files changed, or others)",
@@ -234,43 +302,48 @@ def main(
         for key, value in run.items():
             if key in state and state[key] != value:
                 raise ValueError(
-                    f"--resume: the run in {out} has {key}={state[key]!r}, this command {value!r}; give "
-                    f"{flag.get(key, '--' + key.replace('_', '-'))} as that run did, or --out DIR for a "
-                    f"new run"
+                    f"--resume: the run in {o.out} has {key}={state[key]!r}, this "
+                    f"command {value!r}; give {flag.get(key, '--' + key.replace('_', '-'))}"
+                    f" as that run did, or --out DIR for a new run"
                 )
     if master:
-        tok = prepare(data_dir, cfg.vocab_size, data)
-    if ddp:
+        tok = prepare(data_dir, cfg.vocab_size, o.data)
+    if world > 1:
         dist.barrier()
     if not master:
-        tok = prepare(data_dir, cfg.vocab_size, data)  # loads what rank 0 wrote
+        tok = prepare(data_dir, cfg.vocab_size, o.data)  # loads what rank 0 wrote
     train_data = np.memmap(os.path.join(data_dir, "train.bin"), dtype=np.uint16, mode="r")
     val_data = np.memmap(os.path.join(data_dir, "val.bin"), dtype=np.uint16, mode="r")
-    if min(len(train_data), len(val_data)) <= seq_len + 1:
+    if min(len(train_data), len(val_data)) <= o.seq_len + 1:
         raise ValueError(
-            f"corpus too small for --seq-len {seq_len}: {len(train_data)} train / {len(val_data)} val "
-            f"tokens; give more text or a shorter --seq-len"
+            f"corpus too small for --seq-len {o.seq_len}: {len(train_data)} train / "
+            f"{len(val_data)} val tokens; give more text or a shorter --seq-len"
+        )
+    return tok, train_data, val_data, run
+
+
+def start_from(model, init_model, init_tok, tok, path, master):
+    """--init-from: the model's weights from init_model's; an eviction head it lacks stays as made."""
+    if init_tok.to_str() != tok.to_str():
+        raise ValueError(
+            f"--init-from {path}: its tokenizer is not the one of this corpus; train on "
+            f"the data it was trained on (--data)"
+        )
+    sd = init_model.state_dict()
+    own = model.state_dict()
+    head = [n for n in own if n not in sd]  # the eviction head, if the source had none
+    model.load_state_dict({**own, **{n: t for n, t in sd.items() if n in own}})
+    if master:
+        print(
+            f"initialised from {path} ({init_model.cfg.attn})"
+            f"{'; new: ' + ', '.join(head) if head else ''}"
         )
 
-    torch.manual_seed(seed)
-    model = Transformer(cfg).to(device)
-    if init_from:
-        if init_tok.to_str() != tok.to_str():
-            raise ValueError(
-                f"--init-from {init_from}: its tokenizer is not the one of this corpus; train on the "
-                f"data it was trained on (--data)"
-            )
-        sd = init_model.state_dict()
-        head = [
-            n for n in model.state_dict() if n not in sd
-        ]  # the eviction head, if the source had none
-        model.load_state_dict(
-            {**model.state_dict(), **{n: t for n, t in sd.items() if n in model.state_dict()}}
-        )
-        if master:
-            print(
-                f"initialised from {init_from} ({init_model.cfg.attn}){'; new: ' + ', '.join(head) if head else ''}"
-            )
+
+def optimizer(model, o, device):
+    """AdamW with weight decay on matrices only; the eviction head (A starts at 0, and W_δ gets a
+    gradient only through A) in a group of its own, at evict_lr_mult times the learning rate.
+    Returns it and whether the model has the head."""
     evict = {
         n
         for n, _ in model.named_parameters()
@@ -278,122 +351,120 @@ def main(
     }
     params = [(n, p) for n, p in model.named_parameters() if n not in evict]
     groups = [
-        dict(params=[p for _, p in params if p.dim() >= 2], weight_decay=weight_decay),
+        dict(params=[p for _, p in params if p.dim() >= 2], weight_decay=o.weight_decay),
         dict(params=[p for _, p in params if p.dim() < 2], weight_decay=0.0),
     ]
-    if evict:  # the eviction head: A starts at 0 and W_δ gets gradient only through A, so it may learn faster
+    if evict:
         groups.append(
             dict(
                 params=[p for n, p in model.named_parameters() if n in evict],
                 weight_decay=0.0,
-                lr_mult=evict_lr_mult,
+                lr_mult=o.evict_lr_mult,
             )
         )
-    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=device.type == "cuda")
-    step = 0
-    if resume:
-        model_r, _ = checkpoint.load(out, device, dtype=torch.float32)
-        if model_r.cfg != cfg:
-            raise ValueError(
-                f"--resume: the checkpoint in {out!r} has another config ({model_r.cfg.attn}, "
-                f"{model_r.cfg.n_layer} layers); use its flags, or --out DIR for a new run"
-            )
-        model.load_state_dict(model_r.state_dict())
-        opt.load_state_dict(
-            torch.load(os.path.join(out, "optimizer.pt"), map_location=device, weights_only=True)
-        )
-        step = state["step"]
-        if master:
-            print(f"resumed from {out} at step {step}")
-    raw = model
-    if ddp:
-        ids = [device.index] if device.type == "cuda" else None
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    opt = torch.optim.AdamW(groups, lr=o.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+    return opt, bool(evict)
 
-    n_params = sum(p.numel() for p in raw.parameters())
-    if master:
-        print(
-            f"{attn} | {n_params / 1e6:.2f}M parameters | {len(train_data) / 1e6:.1f}M train tokens (corpus "
-            f"{data or 'stdlib'} {corpus}) | "
-            f"{steps} steps x {batch_size * world} x {seq_len} tokens | {device} | checkpoints to {out}"
+
+def resume(model, opt, cfg, state, out, device, master):
+    """The saved run's weights and optimizer state; returns its step."""
+    saved, _ = checkpoint.load(out, device, dtype=torch.float32)
+    if saved.cfg != cfg:
+        raise ValueError(
+            f"--resume: the checkpoint in {out!r} has another config ({saved.cfg.attn}, "
+            f"{saved.cfg.n_layer} layers); use its flags, or --out DIR for a new run"
         )
-    t0, t_last, val_loss = time.time(), time.time(), None
-    start = step
-    stop_at = min(stop_at or steps, steps)
-    saved = step if resume else None  # the step of the last checkpoint on disk
+    model.load_state_dict(saved.state_dict())
+    path = os.path.join(out, "optimizer.pt")
+    opt.load_state_dict(torch.load(path, map_location=device, weights_only=True))
+    if master:
+        print(f"resumed from {out} at step {state['step']}")
+    return state["step"]
+
+
+def train_steps(
+    o, model, raw, opt, evict, step, tok, train_data, val_data, run, device, rank, world
+):
+    """The loop: a step, a log line every log_every steps, validation and a checkpoint every
+    eval_every; Ctrl-C says where the last checkpoint is. Returns (step, last validation loss)."""
+    master = rank == 0
+    t0 = t_last = time.time()
+    start, val_loss = step, None
+    stop_at = min(o.stop_at or o.steps, o.steps)
+    saved = step if o.resume else None  # the step of the last checkpoint on disk
     try:
         while step < stop_at:
             for g in opt.param_groups:
-                g["lr"] = lr_at(step, steps, lr, warmup) * g.get("lr_mult", 1.0)
+                g["lr"] = lr_at(step, o.steps, o.lr, o.warmup) * g.get("lr_mult", 1.0)
             x, y, w = get_batch(
-                train_data, batch_size, seq_len, seed, step, rank, device, tasks, tok, answer_weight
+                train_data,
+                o.batch_size,
+                o.seq_len,
+                o.seed,
+                step,
+                rank,
+                device,
+                o.tasks,
+                tok,
+                o.answer_weight,
             )
             with torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"):
                 logits = model(x)
             loss = lm_loss(logits, y, w)
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
             opt.step()
             step += 1
-            if master and (step % log_every == 0 or step == steps):
-                dt = time.time() - t_last
+            if master and (step % o.log_every == 0 or step == o.steps):
+                tps = o.log_every * o.batch_size * world * o.seq_len / (time.time() - t_last)
                 t_last = time.time()
-                tps = log_every * batch_size * world * seq_len / dt
-                left = (time.time() - t0) / (step - start) * (steps - step)
+                left = (time.time() - t0) / (step - start) * (o.steps - step)
                 print(
-                    f"step {step}/{steps} | loss {loss.item():.3f} | lr {lr_at(step, steps, lr, warmup):.2e} | "
-                    f"{tps:.0f} tokens/s | {left / 60:.1f} min left",
+                    f"step {step}/{o.steps} | loss {loss.item():.3f} | lr "
+                    f"{lr_at(step, o.steps, o.lr, o.warmup):.2e} | {tps:.0f} tokens/s | "
+                    f"{left / 60:.1f} min left",
                     flush=True,
                 )
-            if master and (step % eval_every == 0 or step == stop_at):
-                val_loss = evaluate(raw, val_data, batch_size, seq_len, device)
+            if master and (step % o.eval_every == 0 or step == stop_at):
+                val_loss = evaluate(raw, val_data, o.batch_size, o.seq_len, device)
                 gates = (
-                    (
-                        " | eviction gates A per layer: "
-                        + " | ".join(  # how far they moved from their zero start
-                            " ".join(f"{a:+.2f}" for a in layer.self_attn.A.tolist())
-                            for layer in raw.layers
-                        )
+                    ""
+                    if not evict
+                    else " | eviction gates A per layer: "
+                    + " | ".join(
+                        " ".join(f"{a:+.2f}" for a in layer.self_attn.A.tolist())
+                        for layer in raw.layers
                     )
-                    if evict
-                    else ""
-                )
+                )  # how far they moved from their start at 0
                 print(f"step {step} | val loss {val_loss:.3f}{gates}", flush=True)
+                state = dict(
+                    step=step,
+                    steps=o.steps,
+                    val_loss=val_loss,
+                    attn=o.attn,
+                    **run,
+                    data=o.data or "stdlib",
+                    train_tokens=len(train_data),
+                    init_from=o.init_from,
+                )
                 checkpoint.save(
                     raw,
                     tok,
-                    out,
-                    dtype=torch.bfloat16 if save_bf16 else None,
+                    o.out,
+                    dtype=torch.bfloat16 if o.save_bf16 else None,
                     optimizer=opt,
-                    train_state=dict(
-                        step=step,
-                        steps=steps,
-                        val_loss=val_loss,
-                        attn=attn,
-                        **run,
-                        data=data or "stdlib",
-                        train_tokens=len(train_data),
-                        init_from=init_from,
-                    ),
+                    train_state=state,
                 )
                 saved = step
     except KeyboardInterrupt:  # Ctrl-C: say where the run can be continued from
         where = (
-            f"the last checkpoint, step {saved}, is in {out}: --resume continues it"
+            f"the last checkpoint, step {saved}, is in {o.out}: --resume continues it"
             if saved is not None
             else "no checkpoint was saved yet"
         )
         raise KeyboardInterrupt(f"training stopped at step {step}; {where}") from None
-    if master and step == steps:
-        print(f"done: generate with `python generate.py --checkpoint {out}`")
-    if ddp:  # leave without freeing the DDP wrapper: its process group's destructor joins the gloo threads
-        dist.barrier()  # while holding the GIL, which a thread still releasing a finished work item may wait
-        dist.destroy_process_group()  # for (a deadlock at exit, seen in 1 run of 3); the checkpoints are written
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-    return raw, val_loss
+    return step, val_loss
 
 
 def parse_overrides(items):
@@ -486,34 +557,9 @@ def cli(argv=None):
         metavar="FIELD=VALUE",
         help="override a config field of the preset, e.g. --set k=32 --set n_layer=6",
     )
-    a = p.parse_args(argv)
-    return common.run_cli(
-        lambda: main(
-            a.preset,
-            a.attn,
-            a.out,
-            a.data,
-            a.data_dir,
-            a.steps,
-            a.batch_size,
-            a.seq_len,
-            a.lr,
-            a.warmup,
-            eval_every=a.eval_every,
-            seed=a.seed,
-            device=a.device,
-            resume=a.resume,
-            force=a.force,
-            stop_at=a.stop_at,
-            save_bf16=a.save_bf16,
-            evict_lr_mult=a.evict_lr_mult,
-            init_from=a.init_from,
-            tasks=a.tasks,
-            corpus=a.corpus,
-            answer_weight=a.answer_weight,
-            **parse_overrides(a.set),
-        )
-    )
+    a = vars(p.parse_args(argv))
+    sets = a.pop("set")
+    return common.run_cli(lambda: main(**a, **parse_overrides(sets)))
 
 
 if __name__ == "__main__":
