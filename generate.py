@@ -179,52 +179,16 @@ def main(**flags):
             "--offload needs a sparse attention mode (nosa, infllmv2 or dma); full "
             "attention reads every block at every step"
         )
-    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    gpu = (
-        o.gpu_budget * 2**30
-        if o.gpu_budget
-        else (
-            torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_allocated(device)
-            if device.type == "cuda"
-            else None
-        )
-    )
-    host = (
-        o.host_budget * 2**30
-        if o.host_budget
-        else (memory.host_bytes_available() if o.offload else None)
-    )
-    chunk, on_host = memory.plan_memory(
-        model.cfg, weights, batch, P, max_len, dtype, gpu, host, o.offload, o.chunk
-    )
-    if o.offload and (
-        tight := memory.host_warning(memory.cache_bytes(model.cfg, batch, max_len, dtype)[1])
-    ):
-        print(tight, file=sys.stderr)
+    weights, gpu, host, chunk, on_host = plan(o, model, device, dtype, batch, P, max_len)
     ids = [ids[i % len(ids)] for i in range(batch)]  # prompts are cycled over the batch
     micro = speed_up(o, model, device, batch, ids)
-    if o.offload:
-        cache = OffloadCache(model.cfg, batch, device, dtype, max_len, host_budget=host)
-    else:
-        cache = KVCache(model.cfg, batch, device, dtype, max_len)
-    if device.type == "cuda":  # warm-up: build uva_copy.cu, compile the kernels (prompts of two
-        # lengths, so that torch.compile makes a prefill's graph for any chunk length here)
-        warm = [p[: 64 + i % 2] for i, p in enumerate(ids)]
-        generate(
-            model, warm, 2, o.temperature, o.top_k, cache=cache, chunk=chunk, micro_batches=micro
-        )
-        torch.cuda.synchronize()
-        if o.offload:
-            cache.reset_stats()
+    cache = make_cache(o, model, device, dtype, batch, max_len, host, chunk, micro, ids)
     printer = None if batch > 1 or o.quiet or o.prompt_len else Printer(tokenizer, model.eos_ids)
     if printer:
         print(prompts[0], end="", flush=True)
     progress = PrefillProgress([len(p) for p in ids], device, o.quiet)
     with profiler(o.profile, device) as prof:
-        out = generate(
-            model,
-            ids,
-            o.max_new_tokens,
+        args = (
             o.temperature,
             o.top_k,
             cache,
@@ -235,6 +199,7 @@ def main(**flags):
             on_host,
             micro,
         )
+        out = generate(model, ids, o.max_new_tokens, *args)
         if device.type == "cuda":
             torch.cuda.synchronize()
         t_end = time.perf_counter()
@@ -249,6 +214,44 @@ def main(**flags):
         prof.export_chrome_trace(o.profile)
         print(f"profile: {o.profile} (chrome://tracing or ui.perfetto.dev)")
     return out
+
+
+def plan(o, model, device, dtype, batch, P, max_len):
+    """The budgets (GiB flags, else the GPU's free memory and what the host has) and the memory
+    plan: (weights, GPU and host budgets in bytes, the prefill's chunk, whether its residual
+    stream waits in host memory)."""
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    gpu = o.gpu_budget and o.gpu_budget * 2**30
+    if gpu is None and device.type == "cuda":
+        gpu = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_allocated(device)
+    host = o.host_budget and o.host_budget * 2**30
+    if host is None and o.offload:
+        host = memory.host_bytes_available()
+    cfg = model.cfg
+    chunk, on_host = memory.plan_memory(
+        cfg, weights, batch, P, max_len, dtype, gpu, host, o.offload, o.chunk
+    )
+    tight = o.offload and memory.host_warning(memory.cache_bytes(cfg, batch, max_len, dtype)[1])
+    if tight:
+        print(tight, file=sys.stderr)
+    return weights, gpu, host, chunk, on_host
+
+
+def make_cache(o, model, device, dtype, batch, max_len, host, chunk, micro, ids):
+    """The decode cache (offloaded or resident), warmed up on a GPU: uva_copy.cu built and the
+    kernels compiled on short prompts of two lengths (so that torch.compile makes a prefill's
+    graph for any chunk length here, not in the timed run)."""
+    if o.offload:
+        cache = OffloadCache(model.cfg, batch, device, dtype, max_len, host_budget=host)
+    else:
+        cache = KVCache(model.cfg, batch, device, dtype, max_len)
+    if device.type == "cuda":
+        warm = [p[: 64 + i % 2] for i, p in enumerate(ids)]
+        generate(model, warm, 2, o.temperature, o.top_k, cache, chunk=chunk, micro_batches=micro)
+        torch.cuda.synchronize()
+        if o.offload:
+            cache.reset_stats()
+    return cache
 
 
 def load(o, device, dtype):
