@@ -323,14 +323,11 @@ def _sparse_bwd_dkv(
             tl.atomic_add(DC + bh * S + tok, dc, mask=k_ok)
 
 
-LAUNCH = dict(num_warps=4, num_stages=3)  # the tiled forward: the fastest of a sweep at 128K (H200)
-LAUNCH_BWD = dict(
-    num_warps=4, num_stages=2
-)  # the backward's two kernels: the fastest of a sweep at 64K
-DKV_CHUNK = (
-    256  # query tiles per program of the dK/dV kernel: fewer atomic adds (32: 1.11x slower at 128K)
-)
-DKV_RANGE = 1024  # query tiles per range of the dK/dV kernel's grid: its time 0.91x that of one range (32K, 128K)
+# launch sizes, each the fastest of a sweep (docs/LOG.md)
+LAUNCH = dict(num_warps=4, num_stages=3)  # the tiled forward
+LAUNCH_BWD = dict(num_warps=4, num_stages=2)  # the backward's two kernels
+DKV_CHUNK = 256  # query tiles per program of the dK/dV kernel: fewer atomic adds
+DKV_RANGE = 1024  # query tiles per range of the dK/dV kernel's grid: their q, dO stay in L2
 
 
 def log2e_rsqrt(d):

@@ -21,7 +21,7 @@ COMPILED = {}  # one torch.compile of each method, shared by every layer and mod
 def compile_model(model, prefill=False):
     """Compile the model's norms, Attention.qkvc and MLPs on a GPU: for inputs of one token per
     sequence (decode steps, whose shapes never change), and with prefill also for a prefill's
-    chunks (a compile of about 9 s a process, worth it for millions of prompt tokens).
+    chunks (a compile of seconds a process, worth it for millions of prompt tokens).
     Returns the model."""
     limit = (
         "recompile_limit"

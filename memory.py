@@ -89,7 +89,7 @@ PREFILL_CHUNKS = (
 
 def prefill_bytes(cfg, T, C, dtype, stream_on_host=False):
     """GPU bytes a chunked prefill of a T-token prompt needs beyond the weights and the cache
-    (model.Transformer.prefill), C tokens a chunk: the prompt's residual stream (T, dim), or the next
+    (prefill.prefill), C tokens a chunk: the prompt's residual stream (T, dim), or the next
     chunk of it when it is kept in host memory, one layer's K, V, c and pooled caches and a copy of
     them (the cache's prefill stacks K and V), the RoPE tables of every position,
     and the largest of one chunk's activations: RoPE in fp32, scoring and selection (nosa.select_rows
@@ -104,7 +104,7 @@ def prefill_bytes(cfg, T, C, dtype, stream_on_host=False):
         + H * (T // cfg.s_c + 1) * (d * elt + 4)
         + T * d * 4
     )  # and RoPE's cos and sin (T, d/2) in fp32
-    # q, k, v; the selection as tiles (attention.Tiles: at most k block ids and bits a query, int32)
+    # q, k, v; the selection as tiles (attention_kernels.Tiles: at most k block ids and bits a query, int32)
     live = 2 * (H_q + 2 * H) * d * elt + 4 * dim * elt + (H * 8 * cfg.k if cfg.sparse else 0)
     select = (
         min(C, nosa_kernels.select_rows(nb)) * H * nb * 20 if cfg.sparse else 0
@@ -112,7 +112,7 @@ def prefill_bytes(cfg, T, C, dtype, stream_on_host=False):
     peak = max(16 * H_q * d, 4 * cfg.hidden_dim * elt + dim * (8 + 2 * elt)) * C
     ahead = (
         C * dim * elt if stream_on_host else 0
-    )  # the next chunk of the stream, on its way (kvcache.ResidualStream)
+    )  # the next chunk of the stream, on its way (prefill.ResidualStream)
     return whole + C * live + ahead + max(select, peak) + 2**27  # and 128 MiB for workspaces
 
 
@@ -217,8 +217,7 @@ HOST_LEFT = (
 def host_warning(need_host):
     """A one-line warning where a host store of need_host bytes leaves the process and the OS less than
     HOST_LEFT of the memory available (the store is pinned: nothing else can be paged out to make room),
-    else None. Measured on a 128 GiB machine: 6.4 GiB left, no slowdown; about 5 GiB, a 128K prefill 1.7x
-    slower (BENCHMARKS.md)."""
+    else None (below that, a long prefill runs markedly slower: docs/LOG.md)."""
     avail = mem_available()
     if avail is None or avail - need_host >= HOST_LEFT:
         return None

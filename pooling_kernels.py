@@ -259,9 +259,7 @@ def query_aware_scores(q, K_sub, q_pos, nb, cfg):
     r, p = cfg.B // cfg.s_c, (cfg.l_c - 1) // cfg.s_c
     if M == 0:  # no sub-block complete: no block has a score
         return q.new_full((Bz, H_kv, T, nb), float("-inf"), dtype=torch.float32)
-    BT = max(
-        1, 128 // GP
-    )  # about 128 rows x 64 sub-blocks a tile, 4 warps, 2 stages: the fastest of a sweep (H200)
+    BT = max(1, 128 // GP)  # about 128 rows x 64 sub-blocks a tile: the fastest of a sweep
     NBT = max(1, 64 // r)
     out = torch.empty(Bz, H_kv, T, nb, device=q.device, dtype=torch.float32)
     if q.stride()[1:] != (

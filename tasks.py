@@ -11,7 +11,7 @@ For the passkey and the needle the question ends with the very tokens that come 
 the fact (as RULER's passkey repeats "The pass key is"), so the value can be copied by matching
 what precedes it. Stated as an assignment (`SECRET_4711 = 83520`) the two differ in the token before
 the value (` =` against ` ==`) and in the name's first token (a leading space or not), and tiny
-models trained with such tasks learned nothing of them (BENCHMARKS.md). The chain needs two hops.
+models trained with such tasks learned nothing of them (docs/LOG.md). The chain needs two hops.
 
 A task is assembled from tokens: filler windows of the corpus, the fact's tokens at an exact distance
 before the question, so that the answer's block lies where the test puts it: past the window and the

@@ -3,7 +3,7 @@ the largest batch the memory model (memory.plan_memory) gives it, in static batc
 prefilled one prompt at a time, then decodes; the next batch waits). Reported per system: time to
 first token, prefill and decode speed, the whole run's time and its output tokens/s.
 
-What is timed, on random weights: one P-token prefill through model.prefill at the chunk the plan
+What is timed, on random weights: one P-token prefill through prefill.prefill at the chunk the plan
 chooses (after an untimed one, which compiles the kernels), with the decode cache of the whole batch
 allocated beside it (its peak memory beyond the weights and the cache is reported), and graphed
 decode steps of the whole batch at context P (the other rows filled with random K, V and c), and

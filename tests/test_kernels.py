@@ -444,7 +444,7 @@ def test_full_attention_decode_bf16(prompt_lens):
 def test_chunked_prefill_through_the_kernels(attn):
     """A prefill in chunks of 48 (not a multiple of B = 16) through the kernels (compiled on a GPU in
     bf16, with the residual stream in pinned host memory and without; interpreted on CPU in fp32):
-    the last position's logits are the parallel forward's, also through fast.block_prefill, and the
+    the last position's logits are the parallel forward's, also compiled (fast.compile_model), and the
     cache it leaves decodes alike."""
     from kvcache import KVCache
     from prefill import prefill
