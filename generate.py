@@ -12,6 +12,7 @@ end-of-sequence token, or after --max-new-tokens.
 
 import argparse
 import contextlib
+import math
 import os
 import sys
 import time
@@ -132,6 +133,10 @@ class Options:
 
     def check(self):
         """One line for a flag out of range, before any work."""
+        for name in ("temperature", "gpu_budget", "host_budget"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise ValueError(f"--{name.replace('_', '-')} {value}: give a finite number")
         for name, least in (
             ("batch", 1),
             ("max_new_tokens", 1),
@@ -304,13 +309,12 @@ def speed_up(o, model, device, batch, ids):
     on = o.compile == "on"
     decode = on or o.compile == "auto" and batch * o.max_new_tokens >= 2048
     chunks = on or o.compile == "auto" and sum(map(len, ids)) >= 2**21
-    if decode or chunks:
-        fast.compile_model(model, prefill=chunks)
-    if not o.quiet:
-        print(
-            f"speed: compiled decode step {'yes' if decode else 'no'}, compiled prefill "
-            f"{'yes' if chunks else 'no'} (--compile {o.compile}); {micro} micro-batch(es)"
-        )
+    if decode or chunks:  # (a compiled prefill compiles the decode step too)
+        decode = fast.compile_model(model, prefill=chunks) is model
+    print(
+        f"speed: compiled decode step {'yes' if decode else 'no'}, compiled prefill "
+        f"{'yes' if chunks else 'no'} (--compile {o.compile}); {micro} micro-batch(es)"
+    )
     return micro
 
 
@@ -353,7 +357,18 @@ def profiler(path, device):
 
 
 def random_model(cfg, device, dtype):
-    """A randomly initialised model, made where it runs and in its dtype (an 8B one takes 16 GB)."""
+    """A randomly initialised model, made where it runs and in its dtype (an 8B one takes 16 GB);
+    a MemoryError first where its weights do not fit the memory there is."""
+    with torch.device("meta"):
+        need = sum(p.numel() for p in Transformer(cfg).parameters()) * dtype.itemsize
+    device = torch.device(device)
+    have = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else memory.mem_available()
+    if have is not None and need > have:
+        raise MemoryError(
+            f"a random model of this shape takes {memory.gib(need)} of weights in "
+            f"{dtype}, and {memory.gib(have)} is free on {device}: choose a smaller "
+            f"preset (tiny, paper) or a machine with more memory"
+        )
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

@@ -110,6 +110,13 @@ class Options:
 
     def check(self):
         """One line for a flag out of range, before any work."""
+        for name in ("lr", "weight_decay", "grad_clip", "evict_lr_mult", "tasks", "answer_weight"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(
+                    f"--{name.replace('_', '-')} {getattr(self, name)}: give a finite number"
+                )
+        if not self.evict_lr_mult > 0:
+            raise ValueError(f"--evict-lr-mult {self.evict_lr_mult}: must be positive")
         for name, least in (
             ("steps", 1),
             ("batch_size", 1),

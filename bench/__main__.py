@@ -31,40 +31,36 @@ def main(
     distances=None,
     **throughput,
 ):
+    check(what, json_path, systems, throughput)
     if what == "quality":
         rows = quality.bench_quality(ckpts, systems or tuple(quality.SYSTEMS), judge, gen_len)
     elif what == "eviction":
         rows = eviction.bench_eviction(checkpoint_dir)
     elif what == "recall":
-        rows = recall.bench_recall(
-            ckpts,
-            systems or tuple(quality.SYSTEMS),
-            distances or recall.DISTANCES,
-            n=cases,
-            json_path=json_path,
-        )
+        systems = systems or tuple(quality.SYSTEMS)
+        distances = distances or recall.DISTANCES
+        rows = recall.bench_recall(ckpts, systems, distances, n=cases, json_path=json_path)
     elif what == "head":
         rows = recall.bench_head(checkpoint_dir)
     elif what == "plot":
         rows = plot.main()
     elif what == "requests":
-        rows = requests_.bench_requests(
-            **throughput, systems=systems or ("nosa-offload", "full", "infllmv2-offload")
-        )
+        systems = systems or ("nosa-offload", "full", "infllmv2-offload")
+        rows = requests_.bench_requests(**throughput, systems=systems)
     elif what == "throughput":
+        systems = systems or throughput_.SYSTEMS
         rows = throughput_.bench_throughput(
-            **throughput, systems=systems or throughput_.SYSTEMS, ckpts=ckpts if trained else None
+            **throughput, systems=systems, ckpts=ckpts if trained else None
         )
     else:
-        if not torch.cuda.is_available():
-            raise ValueError(f"bench {what} measures the GPU machine: no CUDA device here")
         print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__}")
-        rows = dict(
+        benches = dict(
             gather=gather.bench_gather,
             prefill=kernels.bench_prefill,
             decode=kernels.bench_decode,
             sdpa=kernels.bench_sdpa,
-        )[what]()
+        )
+        rows = benches[what]()
     if json_path:
         with open(json_path, "w") as f:
             json.dump(rows, f, indent=1)
@@ -72,6 +68,41 @@ def main(
     print(" | ".join(keys))
     for r in rows:
         print(" | ".join(str(r.get(k, "")) for k in keys))
+
+
+def check(what, json_path, systems, throughput):
+    """One line for arguments that cannot work, before any work."""
+    if json_path:
+        folder = os.path.dirname(os.path.abspath(json_path))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise ValueError(
+                f"--json {json_path}: cannot write there; give a path in a writable folder"
+            )
+    known = dict(
+        quality=quality.SYSTEMS,
+        recall=quality.SYSTEMS,
+        requests=throughput_.SYSTEMS,
+        throughput=throughput_.SYSTEMS,
+    ).get(what, {})
+    unknown = [s for s in systems or () if s not in known]
+    if unknown:
+        raise ValueError(
+            f"--systems {unknown[0]}: choose among {', '.join(known) or 'none (bench ' + what + ' takes no systems)'}"
+        )
+    cuda = torch.cuda.is_available()
+    if what in ("gather", "prefill", "decode", "sdpa") and not cuda:
+        raise ValueError(f"bench {what} measures the GPU machine: no CUDA device here")
+    if what in ("throughput", "requests") and not cuda and throughput["budget_gb"] > 1:
+        raise ValueError(
+            f"bench {what} on a CPU: the batch grows to --budget-gb "
+            f"{throughput['budget_gb']}, more than a CPU decodes in time; give at most "
+            f"1 (e.g. --budget-gb 0.02), or run it on a GPU"
+        )
+    if what == "plot":
+        try:
+            import matplotlib  # noqa: F401
+        except ModuleNotFoundError:
+            raise ValueError("bench plot draws with matplotlib: pip install matplotlib") from None
 
 
 def positive_ints(text):
@@ -87,7 +118,7 @@ def positive_ints(text):
     return values
 
 
-if __name__ == "__main__":
+def cli(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench", description="NOSA / NOSI benchmarks (GPU)")
     p.add_argument(
         "what",
@@ -140,7 +171,8 @@ if __name__ == "__main__":
     )
     p.add_argument(
         "--micro-batches",
-        default="2",
+        type=positive_ints,
+        default=(2,),
         help="throughput: offloading systems once per count, e.g. 1,2 (parts decoded side by side)",
     )
     p.add_argument(
@@ -155,7 +187,8 @@ if __name__ == "__main__":
     )
     p.add_argument(
         "--new-tokens",
-        default="1024,8192",
+        type=positive_ints,
+        default=(1024, 8192),
         help="requests: tokens generated per request, e.g. 1024,8192",
     )
     p.add_argument("--requests", type=int, default=28, help="requests: how many")
@@ -174,7 +207,7 @@ if __name__ == "__main__":
         default=1024,
         help="quality: tokens generated (and teacher-forced window)",
     )
-    a = p.parse_args()
+    a = p.parse_args(argv)
     kw = (
         dict(
             shape=a.shape,
@@ -184,7 +217,7 @@ if __name__ == "__main__":
             host_gb=a.host_gb,
             batch_limit=a.max_batch,
             trained=a.trained,
-            micro_batches=tuple(int(m) for m in a.micro_batches.split(",")),
+            micro_batches=a.micro_batches,
         )
         if a.what == "throughput"
         else {}
@@ -197,9 +230,9 @@ if __name__ == "__main__":
             steps=a.steps,
             host_gb=a.host_gb,
             requests=a.requests,
-            new_tokens=tuple(int(g) for g in a.new_tokens.split(",")),
+            new_tokens=a.new_tokens,
         )
-    common.run_cli(
+    return common.run_cli(
         main,
         a.what,
         a.json,
@@ -212,3 +245,7 @@ if __name__ == "__main__":
         systems=a.systems.split(",") if a.systems else None,
         **kw,
     )
+
+
+if __name__ == "__main__":
+    cli()

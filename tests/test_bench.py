@@ -332,3 +332,48 @@ def test_distances_flag():
     for bad in ("x", "0,5", "", "128,"):
         with pytest.raises(argparse.ArgumentTypeError, match="positive whole numbers"):
             positive_ints(bad)
+
+
+@pytest.mark.parametrize(
+    "argv, msg",
+    [
+        (["throughput", "--micro-batches", "abc"], "positive whole numbers"),
+        (["requests", "--new-tokens", "x"], "positive whole numbers"),
+        (["throughput", "--systems", "bogus"], "--systems bogus: choose among"),
+        (["quality", "--systems", "nosa,sliding"], "--systems sliding: choose among"),
+        (["eviction", "--json", "MISSING/x.json"], "x.json: cannot write"),
+    ]
+    + ([(["throughput"], "on a CPU")] if not torch.cuda.is_available() else []),
+)
+def test_bench_arguments_fail_in_one_line_before_any_work(argv, msg, capsys, monkeypatch, tmp_path):
+    """python -m bench: a bad number, system or output path, and a CPU asked for a GPU-sized run,
+    stop before any work with an error that says what to give."""
+    import bench.__main__ as cli
+    from bench import eviction
+
+    monkeypatch.setattr(eviction, "bench_eviction", lambda *a: pytest.fail("work started"))
+    with pytest.raises(SystemExit) as e:
+        cli.cli([a.replace("MISSING", str(tmp_path / "missing")) for a in argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and msg in err.splitlines()[-1], err
+
+
+def test_bench_plot_without_matplotlib_says_how_to_get_it(monkeypatch, capsys):
+    import builtins
+
+    import bench.__main__ as cli
+
+    real = builtins.__import__
+
+    def no_matplotlib(name, *a, **kw):
+        if name.startswith("matplotlib"):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return real(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    with pytest.raises(SystemExit):
+        cli.cli(["plot"])
+    assert (
+        capsys.readouterr().err
+        == "error: bench plot draws with matplotlib: pip install matplotlib\n"
+    )

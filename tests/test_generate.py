@@ -64,6 +64,10 @@ def test_missing_checkpoint_is_one_clear_error():
         (["--batch", "0"], "--batch 0: must be at least 1"),
         (["--batch", "-1"], "--batch -1"),
         (["--temperature", "-1"], "--temperature -1.0"),
+        (["--temperature", "inf"], "--temperature inf: give a finite number"),
+        (["--temperature", "nan"], "--temperature nan: give a finite number"),
+        (["--gpu-budget", "nan"], "--gpu-budget nan: give a finite number"),
+        (["--host-budget", "inf"], "--host-budget inf: give a finite number"),
         (["--top-k", "-1"], "--top-k -1"),
         (["--max-new-tokens", "0"], "--max-new-tokens 0"),
         (["--prompt-file", "BINARY"], "not UTF-8 text"),
@@ -278,3 +282,15 @@ def test_same_behaviour_from_any_directory(tmp_path, monkeypatch, capsys):
         generate.cli(["--device", "cpu", "--profile", str(tmp_path / "no" / "dir" / "t.json")])
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--profile" in err and "cannot write it" in err
+
+
+def test_a_random_model_too_large_for_the_machine_is_one_line(monkeypatch, capsys):
+    """--random paper-8b where its weights do not fit the memory there is: one line that says how
+    much they take and what is free, before anything is allocated."""
+    import memory
+
+    monkeypatch.setattr(memory, "mem_available", lambda: 2**30)  # a CPU with 1 GiB free
+    with pytest.raises(SystemExit):
+        generate.cli(["--device", "cpu", "--random", "paper-8b", "--quiet"])
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "GiB of weights" in err and "1.00 GiB is free" in err, err
