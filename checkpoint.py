@@ -11,6 +11,7 @@ with model.safetensors.index.json, tokenizer.json. Tensor names are the same in 
 import json
 import os
 import shutil
+import sys
 from dataclasses import fields
 
 import torch
@@ -59,6 +60,30 @@ def save(model, tokenizer, path, dtype=None, train_state=None, optimizer=None):
     path = os.path.normpath(path)
     tmp, old = path + ".tmp", path + ".old"
     shutil.rmtree(tmp, ignore_errors=True)  # what a killed save left
+    try:
+        write(model, tokenizer, tmp, dtype, train_state, optimizer)
+    except Exception as e:  # a full disk, a quota: the serializers say so in many lines
+        shutil.rmtree(tmp, ignore_errors=True)
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise OSError(
+            f"could not save a checkpoint to {path} ({reason}); the previous one there, "
+            f"if any, is intact: free disk space and --resume"
+        ) from None
+    recover(path)
+    if os.path.isdir(path):
+        foreign = foreign_files(path)
+        if foreign:  # check_out refused it before the run; never delete what is not ours
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise FileExistsError(
+                f"{path} holds {foreign[0]}, which is not a checkpoint of ours: not replaced"
+            )
+        os.rename(path, old)
+    os.rename(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def write(model, tokenizer, tmp, dtype, train_state, optimizer):
+    """save's files, into the directory tmp."""
     os.makedirs(tmp)
     sd = {k: v.detach().to(dtype or v.dtype).contiguous() for k, v in model.state_dict().items()}
     sd = {
@@ -80,17 +105,6 @@ def save(model, tokenizer, path, dtype=None, train_state=None, optimizer=None):
             json.dump(train_state, f)
     if optimizer is not None:
         torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
-    recover(path)
-    if os.path.isdir(path):
-        foreign = foreign_files(path)
-        if foreign:  # check_out refused it before the run; never delete what is not ours
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise FileExistsError(
-                f"{path} holds {foreign[0]}, which is not a checkpoint of ours: not replaced"
-            )
-        os.rename(path, old)
-    os.rename(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 FILES = (
@@ -113,8 +127,8 @@ def check_out(path):
     checkpoint of ours (save replaces the directory whole), and a place that cannot be written
     (a probe file beside it, where save writes first)."""
     path = os.path.abspath(path)
-    embedded = os.path.join(ROOT, "checkpoints")
-    if os.path.commonpath([path, embedded]) == embedded:
+    embedded = os.path.realpath(os.path.join(ROOT, "checkpoints"))
+    if os.path.commonpath([os.path.realpath(path), embedded]) == embedded:  # links resolved
         raise ValueError(
             f"--out {path}: training never writes into {embedded} (the embedded models); write "
             f"elsewhere and copy a model there yourself"
@@ -144,10 +158,18 @@ def check_out(path):
 
 
 def recover(path):
-    """If a save was killed between its two renames, put the previous checkpoint back at path."""
-    path = os.path.normpath(path)
-    if not os.path.isdir(path) and os.path.isdir(path + ".old"):
-        os.rename(path + ".old", path)
+    """Where a save was killed between its renames, the newest whole checkpoint at path, said in one
+    line: the previous one put back (killed after the first rename), or the previous one removed
+    (killed after the second, the new one already at path)."""
+    path, old = os.path.normpath(path), os.path.normpath(path) + ".old"
+    if not os.path.isdir(old):
+        return
+    if os.path.isdir(path):
+        shutil.rmtree(old)
+        print(f"recovered {path}: removed {old}, which a killed save left behind", file=sys.stderr)
+    else:
+        os.rename(old, path)
+        print(f"recovered {path}: the checkpoint a killed save had moved aside", file=sys.stderr)
 
 
 def is_checkpoint(path):

@@ -10,6 +10,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 import checkpoint
+from config import Config
 from generate import generate
 from kvcache import KVCache
 from model import Transformer
@@ -286,3 +287,58 @@ def test_hf_end_of_sequence_ids(tmp_path):
         json.dump({"eos_token_id": [3, 7]}, f)
     model, _ = checkpoint.load(path, **SMALL_NOSA)
     assert model.eos_ids == {2, 3, 7}
+
+
+def test_out_through_a_link_into_the_embedded_models_is_refused(tmp_path):
+    """--out through a symbolic link that resolves inside checkpoints/ (the embedded models): refused
+    like the direct path, for an existing checkpoint and for a new directory."""
+    link = tmp_path / "link"
+    link.symlink_to(os.path.join(checkpoint.ROOT, "checkpoints"))
+    for out in (link / "tiny-nosa", link / "new"):
+        with pytest.raises(ValueError, match="training never writes into"):
+            checkpoint.check_out(str(out))
+    assert not os.path.exists(os.path.join(checkpoint.ROOT, "checkpoints", "new"))
+
+
+def test_a_save_recovers_what_a_killed_save_left(tmp_path, capsys):
+    """A save killed after its second rename leaves DIR (the new one) and DIR.old (the one before):
+    the next save removes DIR.old and says so in one line; killed after its first, only DIR.old:
+    it is put back at DIR, said in one line too."""
+    model = Transformer(Config.from_preset("tiny", n_layer=1, dim=32, hidden_dim=64))
+    tok = checkpoint.byte_tokenizer()
+    path = str(tmp_path / "run")
+    checkpoint.save(model, tok, path)
+    os.rename(path, path + ".old")  # killed between the renames
+    assert checkpoint.is_checkpoint(path) and not os.path.exists(path + ".old")
+    assert "the checkpoint a killed save had moved aside" in capsys.readouterr().err
+    checkpoint.save(model, tok, path + ".old")  # killed after the second rename: both are there
+    checkpoint.save(model, tok, path)
+    err = capsys.readouterr().err
+    assert not os.path.exists(path + ".old") and err.count("\n") == 1 and "removed" in err
+    checkpoint.load(path)
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_checkpoint(tmp_path, monkeypatch):
+    """The serializer failing (here as safetensors does on a full disk): one line, the previous
+    checkpoint intact and loadable, no temporary directory left."""
+    model = Transformer(Config.from_preset("tiny", n_layer=1, dim=32, hidden_dim=64))
+    tok = checkpoint.byte_tokenizer()
+    path = str(tmp_path / "run")
+    checkpoint.save(model, tok, path)
+    before = checkpoint.load(path)[0].state_dict()
+
+    def full(*a, **kw):
+        raise RuntimeError(
+            "Error while serializing: IoError(Os { code: 28, kind: StorageFull })\nmore"
+        )
+
+    monkeypatch.setattr(checkpoint, "save_file", full)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    with pytest.raises(OSError) as e:
+        checkpoint.save(model, tok, path)
+    assert "\n" not in str(e.value) and "StorageFull" in str(e.value) and "intact" in str(e.value)
+    after = checkpoint.load(path)[0].state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert not os.path.exists(path + ".tmp")
