@@ -223,6 +223,16 @@ def config_from_hf(hf, **overrides):
             raise ValueError(
                 f"{key}={hf[key]!r} is not supported by this Llama implementation (no biases, SwiGLU)"
             )
+    for key in (
+        "num_attention_heads",
+        "hidden_size",
+        "num_hidden_layers",
+        "vocab_size",
+        "intermediate_size",
+    ):
+        v = hf.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{key}={v!r}: a positive integer is needed")
     rope_theta, rope_scaling = rope_from_hf(hf)
     H_q = hf["num_attention_heads"]
     shape = dict(
@@ -288,11 +298,12 @@ def load(path, device="cpu", dtype=None, **overrides):
         raise ValueError(
             f"{os.path.join(path, 'config.json')} is not a valid NOSA config ({e})"
         ) from None
-    if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]  # tensor name -> shard file
-    else:
-        weight_map = None
+    weight_map = read_json(path, "model.safetensors.index.json").get("weight_map")
+    if os.path.isfile(index) and not (
+        isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())
+    ):
+        raise ValueError(f"{index}: no weight_map (tensor name -> shard file); re-download it")
+    eos_ids, chat_template, special_tokens, tokenizer = side_files(path, raw, cfg)
     # read every header first: names and shapes are checked before any data is loaded
     shapes, where = {}, {}
     for fname in sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]:
@@ -363,37 +374,82 @@ def load(path, device="cpu", dtype=None, **overrides):
     model.load_state_dict(sd, strict=False, assign=True)
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    try:
-        tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
-    except Exception as e:  # tokenizers raises plain Exception on a bad file
-        raise ValueError(
-            f"{os.path.join(path, 'tokenizer.json')} is not a valid tokenizer ({e})"
-        ) from None
-    # end-of-sequence ids (config.json, generation_config.json: one id or a list), the chat template and
-    # the special tokens it refers to (tokenizer_config.json), where the checkpoint has them
-    for cfg_file in ("config.json", "generation_config.json"):
-        extra = read_json(path, cfg_file)
-        ids = extra.get("eos_token_id")
-        model.eos_ids |= set(ids if isinstance(ids, list) else [] if ids is None else [ids])
-    if "hidden_size" not in raw and tokenizer.token_to_id(EOT) is not None:
-        model.eos_ids.add(tokenizer.token_to_id(EOT))
-    tok_cfg = read_json(path, "tokenizer_config.json")
-    model.chat_template = tok_cfg.get("chat_template")
-    model.special_tokens = {
-        k: v["content"] if isinstance(v, dict) else v
-        for k, v in tok_cfg.items()
-        if k in ("bos_token", "eos_token") and v
-    }
+    model.eos_ids, model.chat_template, model.special_tokens = (
+        eos_ids,
+        chat_template,
+        special_tokens,
+    )
     return model.eval(), tokenizer
 
 
+def side_files(path, raw, cfg):
+    """What a checkpoint says besides its weights, each field checked (one line naming the file and
+    the field): the end-of-sequence ids (config.json, generation_config.json: one id or a list), the
+    chat template and the special tokens it refers to (tokenizer_config.json), and the tokenizer,
+    whose ids must fit the model's vocabulary. Returns (eos_ids, chat_template, special_tokens,
+    tokenizer)."""
+    f = os.path.join(path, "tokenizer.json")
+    try:
+        tokenizer = Tokenizer.from_file(f)
+    except Exception as e:  # tokenizers raises plain Exception on a bad file
+        raise ValueError(f"{f} is not a valid tokenizer ({e})") from None
+    n = tokenizer.get_vocab_size(with_added_tokens=True)
+    if n > cfg.vocab_size:
+        raise ValueError(
+            f"{f}: {n} token ids, more than the model's vocab_size={cfg.vocab_size}: "
+            f"the tokenizer is not this model's"
+        )
+    eos_ids = set()
+    for name in ("config.json", "generation_config.json"):
+        ids = read_json(path, name).get("eos_token_id")
+        ids = [] if ids is None else ids if isinstance(ids, list) else [ids]
+        if not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < cfg.vocab_size for i in ids
+        ):
+            raise ValueError(
+                f"{os.path.join(path, name)}: eos_token_id={ids!r}: give a token id "
+                f"below {cfg.vocab_size}, or a list of them"
+            )
+        eos_ids |= set(ids)
+    if "hidden_size" not in raw and tokenizer.token_to_id(EOT) is not None:
+        eos_ids.add(tokenizer.token_to_id(EOT))  # this format ends where a document ends
+    tok_cfg = read_json(path, "tokenizer_config.json")
+    template = tok_cfg.get("chat_template")
+    if isinstance(template, list):  # Hugging Face's named templates: the default one
+        template = next(
+            (
+                t.get("template")
+                for t in template
+                if isinstance(t, dict) and t.get("name") == "default"
+            ),
+            None,
+        )
+    if template is not None and not isinstance(template, str):
+        raise ValueError(
+            f"{os.path.join(path, 'tokenizer_config.json')}: chat_template must be a "
+            f"string (found {type(template).__name__})"
+        )
+    special = {}
+    for k in ("bos_token", "eos_token"):
+        v = tok_cfg.get(k)
+        v = v.get("content") if isinstance(v, dict) else v
+        if v is not None and not isinstance(v, str):
+            raise ValueError(f"{os.path.join(path, 'tokenizer_config.json')}: {k} must be a string")
+        if v:
+            special[k] = v
+    return eos_ids, template, special, tokenizer
+
+
 def read_json(path, name):
-    """A JSON file of a checkpoint as a dict ({} if absent)."""
+    """A JSON object of a checkpoint as a dict ({} if absent); one line if it is not one."""
     f = os.path.join(path, name)
     if not os.path.isfile(f):
         return {}
     try:
         with open(f, encoding="utf-8") as fh:
-            return json.load(fh)
+            obj = json.load(fh)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{f} is not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{f}: a JSON object is needed, found a {type(obj).__name__}")
+    return obj

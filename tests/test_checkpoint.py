@@ -3,6 +3,7 @@ random checkpoint written here in exactly that layout: sharded safetensors with 
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -342,3 +343,30 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_checkpoint(tmp_path
     after = checkpoint.load(path)[0].state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert not os.path.exists(path + ".tmp")
+
+
+@pytest.mark.parametrize(
+    "file, content, msg",
+    [
+        ("generation_config.json", [1, 2], "generation_config.json: a JSON object is needed"),
+        ("tokenizer_config.json", ["x"], "tokenizer_config.json: a JSON object is needed"),
+        ("generation_config.json", {"eos_token_id": "2"}, "eos_token_id=['2']: give a token id"),
+        ("generation_config.json", {"eos_token_id": [2, [3]]}, "eos_token_id=[2, [3]]"),
+        ("tokenizer_config.json", {"chat_template": 7}, "chat_template must be a string"),
+        ("tokenizer_config.json", {"bos_token": 5}, "bos_token must be a string"),
+        ("config.json", {**HF_CONFIG, "num_attention_heads": 0}, "num_attention_heads=0"),
+        ("model.safetensors.index.json", {"metadata": {}}, "no weight_map"),
+        ("config.json", {**HF_CONFIG, "vocab_size": 100}, "tokenizer.json: 272 token ids, more"),
+    ],
+)
+def test_every_side_file_of_a_checkpoint_is_checked(tmp_path, file, content, msg):
+    """A side file of a Hugging Face checkpoint that holds the wrong kind of thing: one line naming
+    the file and the field, before any weight is loaded (not an AttributeError, TypeError,
+    ZeroDivisionError, KeyError or IndexError from deep inside)."""
+    path = str(tmp_path / "ck")
+    write_hf_checkpoint(path)
+    with open(os.path.join(path, file), "w") as f:
+        json.dump(content, f)
+    with pytest.raises(ValueError, match=re.escape(msg)) as e:
+        checkpoint.load(path, **SMALL_NOSA)
+    assert "\n" not in str(e.value) and ".json" in str(e.value)
