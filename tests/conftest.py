@@ -7,7 +7,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-torch.set_num_threads(max(1, os.cpu_count() or 1))
+# the cores shared by the processes of `pytest -n N` (pytest-xdist): N processes of all the cores'
+# threads each would fight over them
+THREADS = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+torch.set_num_threads(THREADS)
 
 import fast  # noqa: E402 (after TRITON_INTERPRET)
 from config import Config  # noqa: E402
