@@ -100,8 +100,18 @@ def is_val(name):
     return int(hashlib.sha1(os.path.basename(name).encode()).hexdigest(), 16) % 20 == 0
 
 
+def token_dtype(vocab_size):
+    """How the token streams store an id: uint16 while the vocabulary fits, else uint32."""
+    return np.uint16 if vocab_size <= 2**16 else np.uint32
+
+
+def tokens(path, vocab_size):
+    """A token stream on disk, as a read-only array."""
+    return np.memmap(path, dtype=token_dtype(vocab_size), mode="r")
+
+
 def prepare(data_dir, vocab_size, data=None):
-    """Train the tokenizer and write train.bin / val.bin (uint16 tokens) once; reuse them after."""
+    """Train the tokenizer and write train.bin / val.bin (token_dtype) once; reuse them after."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok_path = os.path.join(data_dir, "tokenizer.json")
@@ -136,7 +146,7 @@ def prepare(data_dir, vocab_size, data=None):
     for split in ("train", "val"):
         texts = [text for name, text in docs if (name in val) == (split == "val")]
         ids = [i for enc in tok.encode_batch(texts) for i in enc.ids + [eot]]
-        np.array(ids, dtype=np.uint16).tofile(os.path.join(data_dir, f"{split}.bin"))
+        np.array(ids, dtype=token_dtype(vocab_size)).tofile(os.path.join(data_dir, f"{split}.bin"))
     tok.save(tok_path)
     return tok
 

@@ -151,6 +151,8 @@ class Options:
             value = getattr(self, name)
             if value is not None and value < least:
                 raise ValueError(f"--{name.replace('_', '-')} {value}: must be at least {least}")
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"--seed {self.seed}: give a whole number from 0 to 2^63 - 1")
         if self.compile not in ("auto", "on", "off"):
             raise ValueError(f"--compile {self.compile}: give auto, on or off")
         if self.profile:  # a trace that cannot be written is found now, not after the generation
@@ -211,8 +213,8 @@ def main(**flags):
     if printer:
         print("\n---")
     elif not o.quiet:
-        for i, seq in enumerate(out):
-            print(f"--- sample {i} ---\n{prompts[i % len(prompts)]}{tokenizer.decode(seq)}")
+        for i, seq in enumerate(out):  # the prompt as the model read it (--prompt-len cuts it)
+            print(f"--- sample {i} ---\n{tokenizer.decode(ids[i])}{tokenizer.decode(seq)}")
         print("---")
     report(o, model, cache, out, ids, progress, t_end, chunk, on_host, weights, gpu, device)
     if prof:

@@ -21,7 +21,6 @@ import sysconfig
 import time
 from dataclasses import dataclass, fields, replace
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -30,7 +29,7 @@ import checkpoint
 import common
 import config
 from config import Config
-from data import STDLIB_CORPUS, corpus_id, get_batch, prepare
+from data import STDLIB_CORPUS, corpus_id, get_batch, prepare, tokens
 from model import Transformer
 
 SHAPE_FIELDS = (
@@ -140,6 +139,12 @@ class Options:
                 f"--answer-weight {self.answer_weight}: a positive weight of the "
                 f"tasks' answers, with --tasks"
             )
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"--seed {self.seed}: give a whole number from 0 to 2^63 - 1")
+        if self.data_dir and os.path.isfile(self.data_dir):
+            raise ValueError(
+                f"--data-dir {self.data_dir} is a file; give a directory (the cache of token streams)"
+            )
         if self.init_from and self.resume:
             raise ValueError(
                 "--init-from starts a new run; --resume continues one: give one of them"
@@ -160,10 +165,12 @@ def main(**flags):
     o.check()
     cfg, init = configure(o, {k: v for k, v in flags.items() if k not in names})
     state = check_out(o)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    run = run_record(o, cfg, state, world, int(os.environ.get("RANK", "0")) == 0)
     if state and state["step"] >= o.steps:
         print(
             f"the run in {o.out} is complete (step {state['step']} of {o.steps}); to train "
-            f"further, --resume with a larger --steps (the schedule is stretched to it)"
+            f"further, --resume with a larger --steps (its schedule is stretched to it)"
         )
         return checkpoint.load(o.out, dtype=torch.float32)[0], state.get("val_loss")
     rank, world, device = start_processes(o.device)
@@ -171,7 +178,7 @@ def main(**flags):
     # a fixed thread count also turns off MKL's dynamic threads, which under load sum in another
     # order: without it a run resumed on a busy machine is not bit for bit the run it continues
     torch.set_num_threads(torch.get_num_threads())
-    tok, train_data, val_data, run = load_data(o, cfg, state, world, master)
+    tok, train_data, val_data = load_data(o, cfg, run, world, master)
     torch.manual_seed(o.seed)
     model = Transformer(cfg).to(device)
     if init:
@@ -179,7 +186,7 @@ def main(**flags):
     opt, evict = optimizer(model, o, device)
     step = 0
     if o.resume:
-        step = resume(model, opt, cfg, state, o.out, device, master)
+        step = resume(model, opt, state, o.out, device, master)
     raw = model
     if world > 1:
         ids = [device.index] if device.type == "cuda" else None
@@ -239,17 +246,30 @@ def configure(o, overrides):
 def check_out(o):
     """--out before anything (never into checkpoints/, over the user's files, or unwritable), and
     what it holds: the state of the run to resume, or None."""
-    checkpoint.check_out(o.out)
-    if o.resume and not checkpoint.is_checkpoint(o.out):
+    if o.resume and not checkpoint.is_checkpoint(o.out):  # (before check_out makes its parents)
         raise FileNotFoundError(
             f"--resume: no checkpoint in {o.out!r} to continue; drop --resume to start a run there"
         )
+    checkpoint.check_out(o.out)
     if not o.resume and not o.force and checkpoint.is_checkpoint(o.out):
         raise FileExistsError(
             f"{o.out!r} already holds a checkpoint: --resume continues it, --force "
             f"replaces it, --out DIR writes elsewhere"
         )
-    return json.load(open(os.path.join(o.out, "train_state.json"))) if o.resume else None
+    if not o.resume:
+        return None
+    path = os.path.join(o.out, "train_state.json")
+    try:
+        with open(path) as f:
+            state = json.load(f)
+        if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+            raise ValueError("no step")
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"--resume: {path} is missing or damaged ({e}); the weights in {o.out} "
+            f"still generate, and --init-from {o.out} starts a new run from them"
+        ) from None
+    return state
 
 
 def start_processes(device):
@@ -265,9 +285,10 @@ def start_processes(device):
     return rank, world, common.pick_device(device)
 
 
-def load_data(o, cfg, state, world, master):
-    """The tokenizer and the token streams (made once, cached by the corpus's hash), and the run's
-    record; a resumed run must be the saved one, flag for flag."""
+def run_record(o, cfg, state, world, master):
+    """The run's record: its corpus (by the hash of its files) and the flags that make it. A resumed
+    run must be the saved one, config and flag for flag, also when it is complete; a larger --steps
+    extends it, and says so."""
     corpus = o.corpus
     if corpus is None:
         corpus = corpus_id(o.data)  # the cache follows the files: a change of them makes a new one
@@ -287,7 +308,6 @@ def load_data(o, cfg, state, world, master):
             f"README's",
             flush=True,
         )
-    data_dir = os.path.join(o.data_dir, f"{corpus}-{cfg.vocab_size}")
     run = dict(
         seq_len=o.seq_len,
         batch_size=o.batch_size * world,
@@ -313,20 +333,37 @@ def load_data(o, cfg, state, world, master):
                     f"command {value!r}; give {flag.get(key, '--' + key.replace('_', '-'))}"
                     f" as that run did, or --out DIR for a new run"
                 )
+        saved = checkpoint.load(o.out, dtype=torch.float32)[0].cfg
+        if saved != cfg:
+            raise ValueError(
+                f"--resume: the checkpoint in {o.out!r} has another config ({saved.attn}, "
+                f"{saved.n_layer} layers); use its flags, or --out DIR for a new run"
+            )
+        if master and o.steps > state.get("steps", o.steps):
+            print(
+                f"--steps {o.steps}: the run of {state['steps']} steps is extended, its "
+                f"learning-rate schedule stretched to {o.steps} steps"
+            )
+    return run
+
+
+def load_data(o, cfg, run, world, master):
+    """The tokenizer and the token streams (made once, cached by the corpus's hash)."""
+    data_dir = os.path.join(o.data_dir, f"{run['corpus']}-{cfg.vocab_size}")
     if master:
         tok = prepare(data_dir, cfg.vocab_size, o.data)
     if world > 1:
         dist.barrier()
     if not master:
         tok = prepare(data_dir, cfg.vocab_size, o.data)  # loads what rank 0 wrote
-    train_data = np.memmap(os.path.join(data_dir, "train.bin"), dtype=np.uint16, mode="r")
-    val_data = np.memmap(os.path.join(data_dir, "val.bin"), dtype=np.uint16, mode="r")
+    train_data = tokens(os.path.join(data_dir, "train.bin"), cfg.vocab_size)
+    val_data = tokens(os.path.join(data_dir, "val.bin"), cfg.vocab_size)
     if min(len(train_data), len(val_data)) <= o.seq_len + 1:
         raise ValueError(
             f"corpus too small for --seq-len {o.seq_len}: {len(train_data)} train / "
             f"{len(val_data)} val tokens; give more text or a shorter --seq-len"
         )
-    return tok, train_data, val_data, run
+    return tok, train_data, val_data
 
 
 def start_from(model, init_model, init_tok, tok, path, master):
@@ -373,17 +410,20 @@ def optimizer(model, o, device):
     return opt, bool(evict)
 
 
-def resume(model, opt, cfg, state, out, device, master):
-    """The saved run's weights and optimizer state; returns its step."""
+def resume(model, opt, state, out, device, master):
+    """The saved run's weights and optimizer state (its config and flags: run_record); returns its
+    step."""
     saved, _ = checkpoint.load(out, device, dtype=torch.float32)
-    if saved.cfg != cfg:
-        raise ValueError(
-            f"--resume: the checkpoint in {out!r} has another config ({saved.cfg.attn}, "
-            f"{saved.cfg.n_layer} layers); use its flags, or --out DIR for a new run"
-        )
     model.load_state_dict(saved.state_dict())
     path = os.path.join(out, "optimizer.pt")
-    opt.load_state_dict(torch.load(path, map_location=device, weights_only=True))
+    try:
+        opt.load_state_dict(torch.load(path, map_location=device, weights_only=True))
+    except Exception as e:  # missing, truncated, or another run's
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+        raise ValueError(
+            f"--resume: {path} is missing or damaged ({reason}); the weights in {out} "
+            f"still generate, and --init-from {out} starts a new run from them"
+        ) from None
     if master:
         print(f"resumed from {out} at step {state['step']}")
     return state["step"]
@@ -486,10 +526,11 @@ def parse_overrides(items):
         if not hasattr(defaults, key) or key.startswith("_"):
             raise ValueError(f"--set {item}: unknown config field {key!r}; see config.Config")
         typ = type(getattr(defaults, key))
+        truth = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
         try:
-            out[key] = val.lower() in ("1", "true", "yes") if typ is bool else typ(val)
-        except ValueError:
-            kind = dict(int="an integer", float="a number")[typ.__name__]
+            out[key] = truth[val.lower()] if typ is bool else typ(val)
+        except (KeyError, ValueError):
+            kind = dict(int="an integer", float="a number", bool="true or false")[typ.__name__]
             raise ValueError(f"--set {item}: {key} takes {kind}") from None
     return out
 

@@ -31,7 +31,7 @@ def main(
     distances=None,
     **throughput,
 ):
-    check(what, json_path, systems, throughput)
+    check(what, json_path, systems, dict(throughput, cases=cases))
     if what == "quality":
         rows = quality.bench_quality(ckpts, systems or tuple(quality.SYSTEMS), judge, gen_len)
     elif what == "eviction":
@@ -89,6 +89,10 @@ def check(what, json_path, systems, throughput):
         raise ValueError(
             f"--systems {unknown[0]}: choose among {', '.join(known) or 'none (bench ' + what + ' takes no systems)'}"
         )
+    flags = dict(batch_limit="--max-batch", cases="--cases", steps="--steps", requests="--requests")
+    for name, flag in flags.items():
+        if throughput.get(name) is not None and throughput[name] < 1:
+            raise ValueError(f"{flag} {throughput[name]}: must be at least 1")
     cuda = torch.cuda.is_available()
     if what in ("gather", "prefill", "decode", "sdpa") and not cuda:
         raise ValueError(f"bench {what} measures the GPU machine: no CUDA device here")

@@ -56,7 +56,7 @@ def held_out_tokens(ckpt, tok):
         checkpoint.ROOT, "data", f"{state.get('corpus')}-{tok.get_vocab_size()}", "val.bin"
     )
     if os.path.exists(path):
-        return np.fromfile(path, dtype=np.uint16).astype(np.int64)
+        return np.asarray(corpus.tokens(path, tok.get_vocab_size())).astype(np.int64)
     return np.array(
         [
             i

@@ -342,6 +342,11 @@ def test_distances_flag():
         (["throughput", "--systems", "bogus"], "--systems bogus: choose among"),
         (["quality", "--systems", "nosa,sliding"], "--systems sliding: choose among"),
         (["eviction", "--json", "MISSING/x.json"], "x.json: cannot write"),
+        (
+            ["throughput", "--max-batch", "0", "--budget-gb", "0.02"],
+            "--max-batch 0: must be at least 1",
+        ),
+        (["recall", "--cases", "0"], "--cases 0: must be at least 1"),
     ]
     + ([(["throughput"], "on a CPU")] if not torch.cuda.is_available() else []),
 )

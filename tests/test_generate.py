@@ -294,3 +294,23 @@ def test_a_random_model_too_large_for_the_machine_is_one_line(monkeypatch, capsy
         generate.cli(["--device", "cpu", "--random", "paper-8b", "--quiet"])
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "GiB of weights" in err and "1.00 GiB is free" in err, err
+
+
+def test_a_cut_prompt_is_shown_as_the_model_read_it(capsys):
+    """--prompt-len N: the text printed before each sample is the N tokens the model read, not the
+    whole prompt."""
+    out = generate.main(
+        prompt="def parse(args):\n    return args\n",
+        prompt_len=3,
+        batch=2,
+        max_new_tokens=2,
+        temperature=0.0,
+        device="cpu",
+    )
+    printed = capsys.readouterr().out
+    model, tok = checkpoint.load(checkpoint.DEFAULT_CHECKPOINT, dtype=torch.float32)
+    first3 = tok.decode(tok.encode("def parse(args):\n    return args\n").ids[:3])
+    assert (
+        f"--- sample 0 ---\n{first3}{tok.decode(out[0])}\n" in printed
+        and "return args" not in printed
+    )

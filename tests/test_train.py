@@ -593,3 +593,77 @@ def test_answer_weight(corpus):
     assert torch.allclose(train.lm_loss(logits, y), each.mean())
     with pytest.raises(ValueError, match="--answer-weight 5.0: .* with --tasks"):
         train.main(data=corpus, steps=1, answer_weight=5.0)
+
+
+def test_a_vocabulary_over_65536_ids_trains(corpus, tmp_path):
+    """Token streams hold ids in a type wide enough for the vocabulary (the paper preset's is
+    128256: uint16 would wrap its ids above 65535), and a run with such a vocabulary trains."""
+    import numpy as np
+
+    import data
+
+    ids = np.array([0, 65535, 65536, 128255])
+    path = str(tmp_path / "t.bin")
+    ids.astype(data.token_dtype(128256)).tofile(path)
+    assert data.tokens(path, 128256).tolist() == ids.tolist()
+    assert data.token_dtype(4096) == np.uint16
+    out = str(tmp_path / "big-vocab")
+    _, val = train.main(
+        out=out,
+        data=corpus,
+        data_dir=str(tmp_path / "data"),
+        steps=2,
+        eval_every=2,
+        **run,
+        **{**small, "vocab_size": 70000},
+    )
+    assert val > 0 and checkpoint.load(out)[0].cfg.vocab_size == 70000
+
+
+def test_resume_means_the_saved_run_also_when_it_is_complete(corpus, tmp_path, capsys):
+    """A complete run resumed with another mode or --set is refused like an unfinished one; a larger
+    --steps extends it and says so; a missing or truncated optimizer.pt, or a damaged
+    train_state.json, is one line that says the weights still generate; a refused --resume into a
+    folder that does not exist makes no folder."""
+    kw = dict(data=corpus, data_dir=str(tmp_path / "data"), steps=2, eval_every=2, **run, **small)
+    out = str(tmp_path / "ck")
+    train.main(out=out, **kw)
+    with pytest.raises(ValueError, match="has another config"):
+        train.main(out=out, resume=True, **{**kw, "attn": "infllmv2"})
+    with pytest.raises(ValueError, match="has another config"):
+        train.main(out=out, resume=True, **{**kw, "k": 16})
+    capsys.readouterr()
+    train.main(out=out, resume=True, **{**kw, "steps": 4})
+    assert "--steps 4: the run of 2 steps is extended" in capsys.readouterr().out
+    with open(os.path.join(out, "optimizer.pt"), "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(ValueError, match="optimizer.pt is missing or damaged .* still generate"):
+        train.main(out=out, resume=True, **{**kw, "steps": 6})
+    os.remove(os.path.join(out, "optimizer.pt"))
+    with pytest.raises(ValueError, match="optimizer.pt is missing or damaged"):
+        train.main(out=out, resume=True, **{**kw, "steps": 6})
+    checkpoint.load(out)  # the weights still load
+    with open(os.path.join(out, "train_state.json"), "w") as f:
+        f.write("{not json")
+    with pytest.raises(ValueError, match="train_state.json is missing or damaged"):
+        train.main(out=out, resume=True, **kw)
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        train.main(out=str(tmp_path / "a" / "b" / "run"), resume=True, **kw)
+    assert not os.path.exists(tmp_path / "a")
+
+
+@pytest.mark.parametrize(
+    "argv, msg",
+    [
+        (["--set", "tie_embeddings=maybe"], "tie_embeddings takes true or false"),
+        (["--seed", "-1"], "--seed -1: give a whole number"),
+        (["--data-dir", "FILE"], "is a file; give a directory"),
+    ],
+)
+def test_values_that_are_no_values_are_one_line(argv, msg, capsys, tmp_path):
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    with pytest.raises(SystemExit) as e:
+        train.cli([str(f) if a == "FILE" else a for a in argv] + ["--device", "cpu"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and msg in err, err
