@@ -117,8 +117,10 @@ FILES = (
 
 
 def foreign_files(path):
-    """What a directory holds besides the files of a checkpoint of ours (a save replaces it whole)."""
-    return sorted(set(os.listdir(path)) - set(FILES))
+    """What a directory holds besides the files of a checkpoint of ours (a save replaces it whole)
+    and the locks of runs into the directories it holds (hold)."""
+    ours = lambda f: f in FILES or f.startswith(".") and f.endswith(".lock")
+    return sorted(f for f in os.listdir(path) if not ours(f))
 
 
 def check_out(path):
@@ -136,6 +138,11 @@ def check_out(path):
     recover(path)
     if os.path.isfile(path):
         raise FileExistsError(f"--out {path} is a file; give a directory")
+    if os.path.ismount(path):  # a save renames a new directory into place: not over a mount point
+        raise ValueError(
+            f"--out {path} is a mount point, which a save cannot replace; give a "
+            f"directory inside it"
+        )
     if os.path.isdir(path):
         foreign = foreign_files(path)
         if foreign:
@@ -155,6 +162,31 @@ def check_out(path):
         raise PermissionError(
             f"--out {path}: cannot write in {parent} ({e.strerror}); give a writable directory"
         ) from None
+
+
+def hold(path):
+    """A lock on the output directory path for the life of this process (released at its exit, a
+    crash included): a second run into it is refused in one line that names the first one's
+    process. Returns the lock file, to keep open."""
+    import fcntl
+
+    path = os.path.abspath(path)
+    lock = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.lock")
+    f = open(lock, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        pid = f.read().strip() or "?"
+        f.close()
+        raise ValueError(
+            f"--out {path}: another run (process {pid}) is writing there; wait for "
+            f"it to end, or give another --out"
+        ) from None
+    f.truncate(0)
+    f.write(str(os.getpid()))
+    f.flush()
+    return f
 
 
 def recover(path):

@@ -166,6 +166,8 @@ def main(**flags):
     cfg, init = configure(o, {k: v for k, v in flags.items() if k not in names})
     state = check_out(o)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if int(os.environ.get("RANK", "0")) == 0:
+        o.lock = checkpoint.hold(o.out)  # held for the run's life: one run per --out
     run = run_record(o, cfg, state, world, int(os.environ.get("RANK", "0")) == 0)
     if state and state["step"] >= o.steps:
         print(

@@ -667,3 +667,20 @@ def test_values_that_are_no_values_are_one_line(argv, msg, capsys, tmp_path):
         train.cli([str(f) if a == "FILE" else a for a in argv] + ["--device", "cpu"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and msg in err, err
+
+
+def test_one_run_per_output_directory(corpus, tmp_path, monkeypatch):
+    """A second run into an --out that a run is writing is refused in one line naming that run's
+    process; once it ends, the directory is free again. An --out that is a mount point (a save
+    cannot rename a directory over it) is refused before the first step."""
+    kw = dict(data=corpus, data_dir=str(tmp_path / "data"), steps=2, eval_every=2, **run, **small)
+    out = str(tmp_path / "ck")
+    first = checkpoint.hold(out)  # a run writing there
+    with pytest.raises(ValueError, match=f"another run \\(process {os.getpid()}\\) is writing"):
+        train.main(out=out, **kw)
+    first.close()
+    train.main(out=out, **kw)
+    real = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda p: p == os.path.abspath(out) or real(p))
+    with pytest.raises(ValueError, match="is a mount point"):
+        train.main(out=out, force=True, **kw)
