@@ -8,6 +8,7 @@ every machine has, no download.
 import glob
 import hashlib
 import os
+import re
 import sysconfig
 
 import numpy as np
@@ -18,6 +19,7 @@ from checkpoint import EOT
 
 # CPython 3.11.7's standard library (9.0M training tokens): the embedded model's and BENCHMARKS.md's
 STDLIB_CORPUS = "fd99d1cd9f50"
+LONGEST_WORD = 10000  # characters without whitespace a corpus's text may run to
 
 
 def source_files(data=None):
@@ -92,6 +94,14 @@ def documents(data=None):
             f"--data {data!r} is mostly not UTF-8 text ({n_text} of {n_all} bytes): point it at text "
             f"files"
         )
+    for name, text in docs:  # a tokenizer learns words: a run this long would stall it for minutes
+        run = re.search(r"\S{%d,}" % LONGEST_WORD, text)
+        if run:
+            raise ValueError(
+                f"--data: {name} has a run of {len(run.group())} characters without whitespace "
+                f"(at character {run.start()}), longer than a tokenizer can learn from in time "
+                f"(at most {LONGEST_WORD}); split it, or leave the file out"
+            )
     return docs
 
 
@@ -140,6 +150,12 @@ def prepare(data_dir, vocab_size, data=None):
         special_tokens=[EOT],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
+    )
+    mb = sum(map(len, (t for _, t in docs))) / 1e6
+    print(
+        f"preparing the corpus (once): a {vocab_size}-token BPE learned from {mb:.1f} MB of "
+        f"text, then the text as token streams in {data_dir}",
+        flush=True,
     )
     tok.train_from_iterator((text for name, text in docs if name not in val), trainer)
     eot = tok.token_to_id(EOT)

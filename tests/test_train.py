@@ -684,3 +684,27 @@ def test_one_run_per_output_directory(corpus, tmp_path, monkeypatch):
     monkeypatch.setattr(os.path, "ismount", lambda p: p == os.path.abspath(out) or real(p))
     with pytest.raises(ValueError, match="is a mount point"):
         train.main(out=out, force=True, **kw)
+
+
+def test_a_corpus_that_would_stall_the_tokenizer_is_refused_at_once(tmp_path, capsys):
+    """A text file that is one long run without whitespace (the tokenizer learns words: a 3 MB one
+    took minutes) is refused in one line that says where, before the tokenizer starts."""
+    import time
+
+    d = tmp_path / "texts"
+    d.mkdir()
+    (d / "ok.py").write_text("def f(x):\n    return x\n" * 50)
+    (d / "blob.txt").write_text("intro\n" + "a" * 300_000)
+    t0 = time.time()
+    with pytest.raises(SystemExit):
+        train.cli(
+            [
+                f"--data={d}",
+                f"--data-dir={tmp_path / 'data'}",
+                "--device=cpu",
+                f"--out={tmp_path / 'run'}",
+            ]
+        )
+    err = capsys.readouterr().err
+    assert time.time() - t0 < 30 and err.count("\n") == 1, err
+    assert "blob.txt has a run of 300000 characters without whitespace (at character 6)" in err
