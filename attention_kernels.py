@@ -27,7 +27,6 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from torch.nn.attention.bias import causal_lower_right
 
 from common import fp32, tma_descriptor
 
@@ -514,6 +513,8 @@ def causal_sdpa(q, k, v):
             )[0]
         except RuntimeError:  # where that kernel does not apply: SDPA's lower-right mask
             pass
+    from torch.nn.attention.bias import causal_lower_right  # (its import takes seconds: here)
+
     causal = causal_lower_right(T, S) if T < S else None
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=causal, is_causal=T == S, enable_gqa=True

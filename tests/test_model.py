@@ -44,12 +44,12 @@ def test_fused_weights_keep_hugging_face_names(tmp_path):
     state dict of the separate weights gives the same model."""
     import checkpoint
 
-    model = make_model("nosa", torch.float64)
+    model = make_model("nosa", torch.float64, vocab_size=256)  # the byte tokenizer's ids
     sd = model.state_dict()
     names = {n.split(".")[-2] for n in sd}
     assert {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"} <= names
     assert not {"qkv_proj", "gate_up_proj"} & names
-    other = make_model("nosa", torch.float64)
+    other = make_model("nosa", torch.float64, vocab_size=256)
     other.load_state_dict(sd)
     idx = torch.randint(0, 97, (2, 120))
     with torch.no_grad():
