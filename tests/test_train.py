@@ -272,6 +272,7 @@ def test_data_that_is_not_text_is_refused(tmp_path, corpus):
         (["--steps", "0"], "--steps 0"),
         (["--lr", "-1"], "--lr -1.0: must be positive"),
         (["--lr", "inf"], "--lr inf: give a finite number"),
+        (["--stop-at", "0"], "--stop-at 0: must be at least 1"),
         (["--evict-lr-mult", "nan"], "--evict-lr-mult nan: give a finite number"),
         (["--evict-lr-mult", "0"], "--evict-lr-mult 0.0: must be positive"),
         (["--answer-weight", "inf", "--tasks", "0.2"], "--answer-weight inf: give a finite number"),
