@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -89,6 +90,10 @@ def check(what, json_path, systems, throughput):
         raise ValueError(
             f"--systems {unknown[0]}: choose among {', '.join(known) or 'none (bench ' + what + ' takes no systems)'}"
         )
+    for name, flag in dict(budget_gb="--budget-gb", host_gb="--host-gb").items():
+        value = throughput.get(name)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{flag} {value}: give a positive, finite number of GiB")
     flags = dict(batch_limit="--max-batch", cases="--cases", steps="--steps", requests="--requests")
     for name, flag in flags.items():
         if throughput.get(name) is not None and throughput[name] < 1:

@@ -347,6 +347,8 @@ def test_distances_flag():
             "--max-batch 0: must be at least 1",
         ),
         (["recall", "--cases", "0"], "--cases 0: must be at least 1"),
+        (["throughput", "--budget-gb", "nan"], "--budget-gb nan: give a positive, finite number"),
+        (["requests", "--host-gb", "inf", "--budget-gb", "0.02"], "--host-gb inf: give a positive"),
     ]
     + ([(["throughput"], "on a CPU")] if not torch.cuda.is_available() else []),
 )
