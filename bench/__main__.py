@@ -217,30 +217,14 @@ def cli(argv=None):
         help="quality: tokens generated (and teacher-forced window)",
     )
     a = p.parse_args(argv)
-    kw = (
-        dict(
-            shape=a.shape,
-            prompt_len=a.prompt_len,
-            budget_gb=a.budget_gb,
-            steps=a.steps,
-            host_gb=a.host_gb,
-            batch_limit=a.max_batch,
-            trained=a.trained,
-            micro_batches=a.micro_batches,
-        )
-        if a.what == "throughput"
-        else {}
-    )
+    kw = {}
+    if a.what in ("throughput", "requests"):  # the flags the two share, then each one's own
+        kw = dict(shape=a.shape, prompt_len=a.prompt_len, budget_gb=a.budget_gb, steps=a.steps)
+        kw["host_gb"] = a.host_gb
+    if a.what == "throughput":
+        kw.update(batch_limit=a.max_batch, trained=a.trained, micro_batches=a.micro_batches)
     if a.what == "requests":
-        kw = dict(
-            shape=a.shape,
-            prompt_len=a.prompt_len,
-            budget_gb=a.budget_gb,
-            steps=a.steps,
-            host_gb=a.host_gb,
-            requests=a.requests,
-            new_tokens=a.new_tokens,
-        )
+        kw.update(requests=a.requests, new_tokens=a.new_tokens)
     return common.run_cli(
         main,
         a.what,
