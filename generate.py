@@ -4,14 +4,18 @@ Generate text with a NOSA model.
     python generate.py                       # the embedded tiny model, GPU-resident cache
     python generate.py --offload             # the same, KV cache in host memory (NOSI)
     python generate.py --checkpoint DIR --prompt "import os" --batch 4 --max-new-tokens 200
+    python generate.py --requests prompts.jsonl --batch 8 --offload   # served: continuous batching
 
 Prints the text (a single prompt's as it is generated), then greppable lines: tokens/sec, and with
 --offload the cache hit rate and the bytes moved per step. Sequences end at the checkpoint's
-end-of-sequence token, or after --max-new-tokens.
+end-of-sequence token, or after --max-new-tokens. Given more prompts than rows (--batch), or a file
+of requests, it serves them by continuous batching (serve.py): each request's text as it ends, or a
+JSON line in --completions, with its time to first token and tokens/s.
 """
 
 import argparse
 import contextlib
+import json
 import math
 import os
 import sys
@@ -25,6 +29,7 @@ import common
 import config
 import fast
 import memory
+import serve
 from config import Config
 from kvcache import KVCache
 from model import Transformer
@@ -112,8 +117,10 @@ class Options:
 
     checkpoint: str = checkpoint.DEFAULT_CHECKPOINT
     prompt: object = None  # a text, or a list of texts (a ragged batch); None: prompt.txt
+    requests: str = None  # a file of requests: a prompt a line, or JSON lines (.jsonl)
+    completions: str = None  # a JSONL file for the served requests' completions
     max_new_tokens: int = 300
-    batch: int = 1
+    batch: int = None  # rows; None: one per prompt
     temperature: float = 0.8
     top_k: int = 50
     offload: bool = False
@@ -155,13 +162,12 @@ class Options:
             raise ValueError(f"--seed {self.seed}: give a whole number from 0 to 2^63 - 1")
         if self.compile not in ("auto", "on", "off"):
             raise ValueError(f"--compile {self.compile}: give auto, on or off")
-        if self.profile:  # a trace that cannot be written is found now, not after the generation
-            try:
-                open(self.profile, "a").close()
+        for flag, path in (("--profile", self.profile), ("--completions", self.completions)):
+            try:  # a file that cannot be written is found now, not after the generation
+                path and open(path, "a").close()
             except OSError as e:
                 raise ValueError(
-                    f"--profile {self.profile}: cannot write it ({e.strerror}); give "
-                    f"a writable path"
+                    f"{flag} {path}: cannot write it ({e.strerror}); give a writable path"
                 ) from None
 
 
@@ -175,21 +181,26 @@ def main(**flags):
     torch.manual_seed(o.seed)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model, tokenizer = load(o, device, dtype)
-    prompts, ids = encode(o, model, tokenizer)
-    P, max_len = max(map(len, ids)), max(map(len, ids)) + o.max_new_tokens
+    prompts, ids, news = encode(o, model, tokenizer)
+    P, max_len = max(map(len, ids)), max(len(p) + n for p, n in zip(ids, news))
     if o.random:  # any length: a random model has no trained context
         model.cfg = replace(model.cfg, max_seq_len=max(model.cfg.max_seq_len, max_len))
-    model.check_length(P, o.max_new_tokens)  # before any cache is allocated
-    batch = max(o.batch, len(ids))
+    for p, n in zip(ids, news):  # before any cache is allocated
+        model.check_length(len(p), n)
+    batch = o.batch or len(ids)
+    serving = o.requests is not None or batch < len(ids)
     if o.offload and model.cfg.attn == "full":
         raise ValueError(
             "--offload needs a sparse attention mode (nosa, infllmv2 or dma); full "
             "attention reads every block at every step"
         )
-    weights, gpu, host, chunk, on_host = plan(o, model, device, dtype, batch, P, max_len)
-    ids = [ids[i % len(ids)] for i in range(batch)]  # prompts are cycled over the batch
-    micro = speed_up(o, model, device, batch, ids)
-    cache = make_cache(o, model, device, dtype, batch, max_len, host, chunk, micro, ids)
+    weights, gpu, host, chunk, on_host = plan(o, model, device, dtype, batch, P, max_len, serving)
+    rows = [ids[i % len(ids)] for i in range(batch)]  # prompts are cycled over the batch
+    micro = speed_up(o, model, device, batch, rows)
+    cache = make_cache(o, model, device, dtype, batch, max_len, host, chunk, micro, rows)
+    if serving:
+        return serve_requests(o, model, tokenizer, cache, ids, news, chunk, on_host, micro, device)
+    ids = rows
     printer = None if batch > 1 or o.quiet or o.prompt_len else Printer(tokenizer, model.eos_ids)
     if printer:
         print(prompts[0], end="", flush=True)
@@ -223,7 +234,7 @@ def main(**flags):
     return out
 
 
-def plan(o, model, device, dtype, batch, P, max_len):
+def plan(o, model, device, dtype, batch, P, max_len, served=False):
     """The budgets (GiB flags, else the GPU's free memory and what the host has) and the memory
     plan: (weights, GPU and host budgets in bytes, the prefill's chunk, whether its residual
     stream waits in host memory)."""
@@ -236,7 +247,7 @@ def plan(o, model, device, dtype, batch, P, max_len):
         host = memory.host_bytes_available()
     cfg = model.cfg
     chunk, on_host = memory.plan_memory(
-        cfg, weights, batch, P, max_len, dtype, gpu, host, o.offload, o.chunk
+        cfg, weights, batch, P, max_len, dtype, gpu, host, o.offload, o.chunk, served
     )
     tight = o.offload and memory.host_warning(memory.cache_bytes(cfg, batch, max_len, dtype)[1])
     if tight:
@@ -281,11 +292,15 @@ def load(o, device, dtype):
 
 
 def encode(o, model, tokenizer):
-    """The prompts' texts (in the chat template with --chat) and their token ids (cycled to
-    --prompt-len tokens where asked)."""
-    prompts = (
-        [o.prompt] if isinstance(o.prompt, str) else list(o.prompt or [read_prompt(PROMPT_FILE)])
-    )
+    """The prompts' texts (in the chat template with --chat), their token ids (cycled to
+    --prompt-len tokens where asked) and their max_new_tokens: --prompt's, then --requests'."""
+    prompts = [o.prompt] if isinstance(o.prompt, str) else list(o.prompt or [])
+    news = [o.max_new_tokens] * len(prompts)
+    for text, n in read_requests(o.requests) if o.requests else ():
+        prompts.append(text)
+        news.append(n or o.max_new_tokens)
+    if not prompts:
+        prompts, news = [read_prompt(PROMPT_FILE)], [o.max_new_tokens]
     if o.chat:
         if not model.chat_template:
             raise ValueError(
@@ -297,7 +312,37 @@ def encode(o, model, tokenizer):
         raise ValueError("a prompt is empty after tokenisation; give some text with --prompt")
     if o.prompt_len:
         ids = [(p * (o.prompt_len // len(p) + 1))[: o.prompt_len] for p in ids]
-    return prompts, ids
+    return prompts, ids, news
+
+
+def read_requests(path):
+    """--requests FILE: a prompt a line, or in a .jsonl file a JSON object a line with "prompt" and
+    optionally "max_new_tokens". Returns [(text, max_new_tokens or None)]; blank lines are skipped."""
+    out, jsonl = [], path.endswith(".jsonl")
+    for n, line in enumerate(read_prompt(path, "--requests").splitlines(), 1):
+        if not line.strip():
+            continue
+        if not jsonl:
+            out.append((line, None))
+            continue
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError as e:
+            r = e.msg
+        new = r.get("max_new_tokens") if isinstance(r, dict) else None
+        if (
+            not isinstance(r, dict)
+            or not isinstance(r.get("prompt"), str)
+            or not (new is None or type(new) is int and new >= 1)
+        ):
+            raise ValueError(
+                f'--requests {path}, line {n}: give a JSON object with a "prompt" text and '
+                f'optionally a "max_new_tokens" of 1 or more ({str(r)[:60]})'
+            )
+        out.append((r["prompt"], new))
+    if not out:
+        raise ValueError(f"--requests {path}: no request in it; give a prompt a line")
+    return out
 
 
 def speed_up(o, model, device, batch, ids):
@@ -345,6 +390,48 @@ def report(o, model, cache, out, ids, progress, t_end, chunk, on_host, weights, 
             f"(weights {weights / 2**30:.2f} GiB)"
             + (f", budget {gpu / 2**30:.2f} GiB" if o.gpu_budget else "")
         )
+
+
+def serve_requests(o, model, tokenizer, cache, ids, news, chunk, on_host, micro, device):
+    """The requests served by continuous batching (serve.py), in order: as each ends, its text (or
+    a JSON line in --completions) and a line with its time to first token and tokens/s; then the
+    totals. Returns the new tokens of each."""
+    reqs = [serve.Request(p, n) for p, n in zip(ids, news)]
+    number = {id(r): i for i, r in enumerate(reqs)}
+    out = open(o.completions, "w", encoding="utf-8") if o.completions else None
+
+    def done(req):
+        i, text = number[id(req)], tokenizer.decode(req.out)
+        ttft, rate = req.t_first, req.tokens_per_s()
+        if out:
+            line = dict(request=i, completion=text, new_tokens=len(req.out), ttft_s=ttft)
+            out.write(json.dumps(dict(line, tokens_per_s=rate)) + "\n")
+            out.flush()
+        elif not o.quiet:
+            print(f"--- request {i} ---\n{tokenizer.decode(req.ids)}{text}\n---")
+        print(
+            f"request {i}: {len(req.ids)} prompt tokens, {len(req.out)} new; first token after "
+            f"{ttft:.2f} s, then {rate:.1f} tokens/s"
+        )
+
+    pick = lambda logits: sample(logits, o.temperature, o.top_k)
+    t0 = time.perf_counter()
+    serve.serve(model, reqs, cache, pick, model.eos_ids, chunk, on_host, micro, on_done=done)
+    total, ttft = time.perf_counter() - t0, sorted(r.t_first for r in reqs)
+    if out:
+        out.close()
+    n_tok = sum(len(r.out) for r in reqs)
+    print(
+        f"served: {len(reqs)} requests over {len(cache.len)} rows in {total:.2f} s, {n_tok} new "
+        f"tokens ({n_tok / total:.1f} tokens/s); time to first token: median "
+        f"{ttft[len(ttft) // 2]:.2f} s, p90 {ttft[(9 * len(ttft)) // 10]:.2f} s, max "
+        f"{ttft[-1]:.2f} s ({model.cfg.attn}, {device})"
+    )
+    if o.offload:
+        print(cache.stats.summary())
+    if device.type == "cuda":
+        print(f"GPU memory: {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB at the peak")
+    return [r.out for r in reqs]
 
 
 def profiler(path, device):
@@ -455,16 +542,14 @@ def chat_prompt(template, text, special_tokens):
         raise ValueError(f"--chat: the checkpoint's chat template fails ({e})") from None
 
 
-def read_prompt(path):
+def read_prompt(path, flag="--prompt-file"):
     try:
         with open(path, encoding="utf-8") as f:
             return f.read()
     except UnicodeDecodeError as e:
-        raise ValueError(
-            f"--prompt-file {path}: not UTF-8 text ({e.reason} at byte {e.start})"
-        ) from None
+        raise ValueError(f"{flag} {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except OSError as e:
-        raise FileNotFoundError(f"--prompt-file {path}: {e.strerror}") from None
+        raise FileNotFoundError(f"{flag} {path}: {e.strerror}") from None
 
 
 def cli(argv=None):
@@ -478,7 +563,19 @@ def cli(argv=None):
     add("--prompt", action="append", help="prompt text; repeat for a batch of different prompts")
     add("--prompt-file", action="append", help="read a prompt from this file (repeatable)")
     add("--max-new-tokens", type=int, default=300, help="tokens to generate per sequence")
-    add("--batch", type=int, default=1, help="sequences generated together (prompts are cycled)")
+    add(
+        "--requests",
+        metavar="FILE",
+        help="serve the requests in FILE: a prompt a line, or JSON lines (.jsonl) with "
+        '"prompt" and "max_new_tokens"',
+    )
+    add("--completions", metavar="FILE.jsonl", help="write the served requests' completions here")
+    add(
+        "--batch",
+        type=int,
+        help="rows: sequences decoded together (default: one per prompt; prompts are cycled over "
+        "more rows, and more prompts than rows are served by continuous batching)",
+    )
     add("--temperature", type=float, default=0.8, help="0 for greedy decoding")
     add("--top-k", type=int, default=50, help="sample among the k most likely tokens (0: all)")
     add("--offload", action="store_true", help="keep the KV cache in host memory (NOSI)")

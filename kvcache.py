@@ -29,24 +29,56 @@ class Cache:
     and prefill(layer, seq, k, v, c, pooled) for a prompt (prefill.py), advance() after a step,
     finish(done) for sequences that ended. Every cache keeps the lengths: tokens per sequence on the
     device (read by the decode step) and on the host (read by the Python that sizes and launches it,
-    without a device sync)."""
+    without a device sync; never below the device's). A row that is not active does not advance.
+
+    Continuous batching (serve.py) parks a row while a new prompt prefills into it beside the
+    decoding batch: park(seq), the prefill, start(seq). A parked row waits at position 0, so a step
+    costs it one key; what a step writes for it (its entries at position 0, the rings, the lists,
+    the tail and the tables: the row's decode state) its prefill writes at start (put)."""
 
     def __init__(self, Bz, device):
         self.len = torch.zeros(Bz, dtype=torch.long, device=device)
         self.len_cpu = torch.zeros(Bz, dtype=torch.long)
+        self.active = torch.ones(Bz, dtype=torch.bool, device=device)  # rows that advance
+        self.active_cpu = torch.ones(Bz, dtype=torch.bool)
+        self.parked = {}  # row -> the writes of its decode state that wait for start(row)
 
     def set_length(self, seq, T):  # after a prefill of T tokens into row seq
-        self.len[seq] = self.len_cpu[seq] = T
+        self.put(seq, self.len, seq, T)
+        self.put(seq, self.len_cpu, seq, T)
 
     def advance(self):
-        self.len += 1
+        self.len += self.active
         self.advance_host()
 
     def advance_host(self):  # the host-side part of advance, which a CUDA graph replay does not run
-        self.len_cpu += 1
+        self.len_cpu += self.active_cpu
 
     def finish(self, done):
-        """done (Bz,): sequences that ended; a cache may stop spending on them."""
+        """done (Bz,): sequences that ended, on the device: they stop advancing, and a cache may stop
+        spending on them."""
+        self.active.copy_(~done)
+
+    def park(self, seq):
+        self.len[seq] = self.len_cpu[seq] = 0
+        self.active[seq] = self.active_cpu[seq] = False
+        self.parked[seq] = []
+
+    def put(self, seq, t, index, value):
+        """t[index] = value, a write of row seq's decode state: now, or at start(seq) if it is parked."""
+        if seq in self.parked:
+            self.parked[seq].append((t, index, value.clone() if torch.is_tensor(value) else value))
+        else:
+            t[index] = value
+
+    def start(self, seq):
+        """Row seq decodes from its prefill on: the writes that waited, on the current stream (after
+        the prefill's, where it ran on another)."""
+        for t, index, value in self.parked.pop(seq):
+            if torch.is_tensor(value) and value.is_cuda:  # memory not reused before the copy ran
+                value.record_stream(torch.cuda.current_stream(value.device))
+            t[index] = value
+        self.active[seq] = self.active_cpu[seq] = True
 
     def pooled(self, layer):
         return self.sub.pooled(layer)
@@ -118,9 +150,10 @@ class SubBlockCache:
                 setattr(part, name, [t[a:b] for t in getattr(self, name)])
         return part
 
-    def prefill(self, layer, seq, k, c, pooled=None):
+    def prefill(self, layer, seq, k, c, pooled=None, put=None):
         """k (H_kv, T, d), c (H_kv, T) or None: one whole sequence. pooled: (K̃, c̃, list) of it where the
-        caller has them (a chunked prefill: PromptLayer.pooled), else made here."""
+        caller has them (a chunked prefill: PromptLayer.pooled), else made here. put: how the rings
+        and the list are written (Cache.put), else at once."""
         cfg, T = self.cfg, k.shape[1]
         K_sub, c_sub, core = pooled or (
             pooling.compress_keys(k, cfg),
@@ -131,11 +164,13 @@ class SubBlockCache:
         self.K_sub[layer] = grow(self.K_sub[layer], M, 2)
         self.c_sub[layer] = grow(self.c_sub[layer], M, 2)
         self.K_sub[layer][seq, :, :M] = K_sub
+        put = put or (lambda seq, t, index, value: t.__setitem__(index, value))
         tail = torch.arange(max(T - cfg.l_c, 0), T, device=k.device)
-        self.ring_k[layer][seq][:, tail % cfg.l_c] = k[:, tail]
+        ring = (seq, slice(None), tail % cfg.l_c)
+        put(seq, self.ring_k[layer], ring, k[:, tail])
         if c is not None:
             self.c_sub[layer][seq, :, :M] = c_sub
-            self.ring_c[layer][seq][:, tail % cfg.l_c] = c[:, tail]
+            put(seq, self.ring_c[layer], ring, c[:, tail])
         if self.core_ids:  # as of the last prompt token: the next step adds what leaves the window
             if core is None:  # from scratch
                 nb = pooling.n_blocks(T, cfg)
@@ -143,7 +178,8 @@ class SubBlockCache:
                 cand = (b >= cfg.n_sink) & (b < (T - 1) // cfg.B - cfg.n_win)
                 E = eviction.eviction_block_scores(c_sub, nb, cfg)  # (H_kv, nb)
                 core = eviction.core_list(E, cand.expand_as(E), self.core_ids[layer].shape[-1])
-            self.core_ids[layer][seq], self.core_E[layer][seq] = core
+            put(seq, self.core_ids[layer], seq, core[0])
+            put(seq, self.core_E[layer], seq, core[1])
 
     def append(self, layer, k, c, pos, max_pos):
         """k (Bz, H_kv, d), c (Bz, H_kv) or None, written at positions pos (Bz,); when a sub-block
@@ -192,11 +228,14 @@ class KVCache(Cache):
     def prefill(self, layer, seq, k, v, c, pooled=None):
         T = k.shape[1]
         self._grow(layer, T)
-        self.k[layer][seq, :, :T], self.v[layer][seq, :, :T] = k, v
+        self.k[layer][seq, :, 1:T], self.v[layer][seq, :, 1:T] = k[:, 1:], v[:, 1:]
+        self.put(seq, self.k[layer], (seq, slice(None), 0), k[:, 0])  # where a parked row writes
+        self.put(seq, self.v[layer], (seq, slice(None), 0), v[:, 0])
         if c is not None:
-            self.c[layer][seq, :, :T] = c
+            self.c[layer][seq, :, 1:T] = c[:, 1:]
+            self.put(seq, self.c[layer], (seq, slice(None), 0), c[:, 0])
         if self.sub:
-            self.sub.prefill(layer, seq, k, c, pooled)
+            self.sub.prefill(layer, seq, k, c, pooled, self.put)
         if layer == self.cfg.n_layer - 1:
             self.set_length(seq, T)
 

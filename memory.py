@@ -149,10 +149,12 @@ def plan_memory(
     host_budget=None,
     offload=True,
     chunk=None,
+    served=False,
 ):
     """Check a generation against the memory budgets before anything is allocated: the weights, the
     cache of Bz sequences of up to max_len tokens (cache_bytes), and the larger of a prefill's working
-    memory (prompts of up to prompt_len tokens) and a decode step's. Returns the prefill's chunk
+    memory (prompts of up to prompt_len tokens) and a decode step's, or both where a prompt prefills
+    beside the decoding batch (served: serve.py). Returns the prefill's chunk
     (`chunk`, or the largest of PREFILL_CHUNKS that fits) and whether the prompt's residual stream
     must wait in host memory (when it does not fit on the GPU beside the cache). A budget that does
     not fit is a MemoryError that says what does."""
@@ -169,10 +171,17 @@ def plan_memory(
     if gpu_budget is None:
         return chunks[0], False
     room = gpu_budget - weights - need_gpu
+    both = lambda prefill, step: prefill + step if served else max(prefill, step)
     if room >= decode_bytes(cfg, Bz, max_len, dtype):
         for c in chunks:  # large chunks first (fewer, larger matrix products), then the residual stream on the GPU
             for on_host in (False, True):
-                if prefill_bytes(cfg, prompt_len, c, dtype, on_host) <= room:
+                if (
+                    both(
+                        prefill_bytes(cfg, prompt_len, c, dtype, on_host),
+                        decode_bytes(cfg, Bz, max_len, dtype),
+                    )
+                    <= room
+                ):
                     return c, on_host
     least = prefill_bytes(cfg, prompt_len, min(chunks), dtype, True)
     n = 0
@@ -180,7 +189,7 @@ def plan_memory(
         n < Bz
         and weights
         + cache_bytes(cfg, n + 1, max_len, dtype, offload)[0]
-        + max(least, decode_bytes(cfg, n + 1, max_len, dtype))
+        + both(least, decode_bytes(cfg, n + 1, max_len, dtype))
         <= gpu_budget
     ):
         n += 1

@@ -287,9 +287,6 @@ class OffloadCache(Cache):
         self.fresh = [
             torch.zeros(R, dtype=torch.bool, device=device) for _ in range(L)
         ]  # prefilled, not decoded
-        self.active = torch.ones(
-            Bz, dtype=torch.bool, device=device
-        )  # sequences that have not ended
         cdt = torch.promote_types(dtype, torch.float32)
         self.c = [
             torch.zeros(Bz, H, max_len if cfg.eviction_head else 0, dtype=cdt, device=device)
@@ -345,16 +342,18 @@ class OffloadCache(Cache):
             self.pin and layer == cfg.n_layer - 1
         ):  # what reads the store on the device comes after every copy
             torch.cuda.current_stream(self.device).wait_stream(self.writes)
-        self.tail[layer][r, :, : T - n_full * cfg.B] = torch.stack(
-            [k[:, n_full * cfg.B :], v[:, n_full * cfg.B :]], 1
-        )
-        self.slot_block[layer][r] = -1
-        self.block_slot[layer][r] = -1
-        self.fresh[layer][r] = True
+        tail = torch.stack([k[:, n_full * cfg.B :], v[:, n_full * cfg.B :]], 1)
+        self.put(seq, self.tail[layer], (r, slice(None), slice(0, T - n_full * cfg.B)), tail)
+        self.put(seq, self.slot_block[layer], r, -1)
+        self.put(seq, self.block_slot[layer], r, -1)
+        self.put(seq, self.fresh[layer], r, True)
         if c is not None:
             self.c[layer] = grow(self.c[layer], T, 2)
-            self.c[layer][seq, :, :T] = c
-        self.sub.prefill(layer, seq, k, c, pooled)
+            self.c[layer][seq, :, 1:T] = c[:, 1:]
+            self.put(
+                seq, self.c[layer], (seq, slice(None), 0), c[:, 0]
+            )  # where a parked row writes
+        self.sub.prefill(layer, seq, k, c, pooled, self.put)
         if layer == cfg.n_layer - 1:
             self.set_length(seq, T)
 
@@ -362,10 +361,6 @@ class OffloadCache(Cache):
         self.stats = Stats(
             self.cfg.n_layer, self.Bz * self.cfg.H_kv, self.stats.unit_bytes, self.device
         )
-
-    def finish(self, done):
-        """done (Bz,): sequences that ended. Their rows stop selecting blocks, so they move nothing."""
-        self.active.copy_(~done)
 
     def split(self, n):
         """n caches over consecutive slices of the batch that share this one's memory (views): micro-
@@ -378,12 +373,8 @@ class OffloadCache(Cache):
         for seqs in torch.arange(self.Bz).tensor_split(n):
             a, b = int(seqs[0]), int(seqs[-1]) + 1
             part = copy.copy(self)
-            part.Bz, part.len, part.len_cpu, part.active = (
-                b - a,
-                self.len[a:b],
-                self.len_cpu[a:b],
-                self.active[a:b],
-            )
+            part.Bz, part.len, part.len_cpu = b - a, self.len[a:b], self.len_cpu[a:b]
+            part.active, part.active_cpu = self.active[a:b], self.active_cpu[a:b]
             for name in self.ROWS:
                 setattr(part, name, [t[a * H : b * H] for t in getattr(self, name)])
             for name in self.SEQS:

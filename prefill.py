@@ -16,7 +16,6 @@ import eviction
 import pooling
 
 
-@torch.no_grad()
 def prefill(model, idx, cache, seq, chunk=None, progress=None, stream_on_host=False):
     """A prompt idx (1, T) into row `seq` of the cache -> the logits of its last position (vocab,).
 
@@ -24,6 +23,15 @@ def prefill(model, idx, cache, seq, chunk=None, progress=None, stream_on_host=Fa
     before the one that holds the last position: its output there would feed nothing.
     stream_on_host: keep the residual stream in pinned host memory, a chunk at a time on the GPU
     (for a budget where it does not fit beside the cache). progress(fraction) after each layer."""
+    for logits in prefill_chunks(model, idx, cache, seq, chunk, progress, stream_on_host):
+        pass
+    return logits
+
+
+@torch.no_grad()  # (around each step of the generator)
+def prefill_chunks(model, idx, cache, seq, chunk=None, progress=None, stream_on_host=False):
+    """prefill a chunk at a time: yields None after each chunk of each layer (its work launched),
+    then the logits. Between two chunks a caller may do other work (serve.py decodes a batch)."""
     cfg, (_, T), dev = model.cfg, idx.shape, idx.device
     model.check_length(T, 0)
     C, dtype = chunk or T, model.embed_tokens.weight.dtype
@@ -48,11 +56,12 @@ def prefill(model, idx, cache, seq, chunk=None, progress=None, stream_on_host=Fa
             else:  # the last layer, before the last chunk: only its keys are used
                 _, k, v, c = layer.self_attn.qkvc(layer.input_layernorm(h), rope)
                 prompt.write(k, v, c)
+            yield None
         c = None if prompt.c is None else prompt.c[0]
         cache.prefill(i, seq, prompt.k[0], prompt.v[0], c, prompt.pooled() if cfg.sparse else None)
         if progress:
             progress((i + 1) / len(model.layers))
-    return model.lm_head(model.norm(x.last()))[0]
+    yield model.lm_head(model.norm(x.last()))[0]
 
 
 class PromptLayer:

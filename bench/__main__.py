@@ -46,8 +46,10 @@ def main(
     elif what == "plot":
         rows = plot.main()
     elif what == "requests":
-        systems = systems or ("nosa-offload", "full", "infllmv2-offload")
-        rows = requests_.bench_requests(**throughput, systems=systems)
+        served = throughput.pop("served")
+        systems = systems or ("nosa-offload", "full") + ((), ("infllmv2-offload",))[not served]
+        bench = requests_.bench_served if served else requests_.bench_requests
+        rows = bench(**throughput, systems=systems)
     elif what == "throughput":
         systems = systems or throughput_.SYSTEMS
         rows = throughput_.bench_throughput(
@@ -201,6 +203,12 @@ def cli(argv=None):
         help="requests: tokens generated per request, e.g. 1024,8192",
     )
     p.add_argument("--requests", type=int, default=28, help="requests: how many")
+    p.add_argument(
+        "--served",
+        action="store_true",
+        help="requests: serve them for real, by continuous batching (default: static batches, "
+        "composed from timed parts)",
+    )
     p.add_argument("--cases", type=int, default=200, help="recall: tasks per distance bin")
     p.add_argument(
         "--distances",
@@ -224,7 +232,7 @@ def cli(argv=None):
     if a.what == "throughput":
         kw.update(batch_limit=a.max_batch, trained=a.trained, micro_batches=a.micro_batches)
     if a.what == "requests":
-        kw.update(requests=a.requests, new_tokens=a.new_tokens)
+        kw.update(requests=a.requests, new_tokens=a.new_tokens, served=a.served)
     return common.run_cli(
         main,
         a.what,

@@ -10,9 +10,13 @@ decode steps of the whole batch at context P (the other rows filled with random 
 of the last, smaller batch where N is not a multiple of the batch. The N requests are then composed
 from those times: every prefill of a shape costs the same, and a step at context P is no slower
 than the steps after it for the sparse systems and faster for full attention, whose reads grow with
-the context, so the composition favours the baseline."""
+the context, so the composition favours the baseline.
+
+With --served (bench_served) the N requests run for real, served by continuous batching (serve.py).
+"""
 
 import gc
+import resource
 import statistics
 import time
 
@@ -20,12 +24,14 @@ import torch
 
 import memory
 import offload
+import serve
 from bench.throughput import SHAPES, SYSTEMS, fill_random
 from config import Config
 from prefill import prefill
 
 
-def largest_plan(cfg, weights, requests, prompt_len, max_len, dtype, budget, host, use_offload):
+def largest_plan(cfg, weights, requests, prompt_len, max_len, dtype, budget, host, use_offload,
+                 served=False):  # fmt: skip
     """The largest batch up to `requests` that plan_memory accepts, with its (chunk, stream_on_host)."""
     for Bz in range(requests, 0, -1):
         try:
@@ -39,6 +45,7 @@ def largest_plan(cfg, weights, requests, prompt_len, max_len, dtype, budget, hos
                 budget,
                 host if use_offload else None,
                 use_offload,
+                served=served,
             )
         except MemoryError:
             continue
@@ -204,3 +211,118 @@ def timed_steps(step, Bz, cfg, steps, dev, sync):
         tok = step(tok).argmax(-1)
     sync()
     return (time.perf_counter() - t0) / steps
+
+
+@torch.no_grad()
+def bench_served(
+    shape="8b",
+    prompt_len=131072,
+    new_tokens=(1024,),
+    requests=28,
+    budget_gb=24.0,
+    systems=("nosa-offload", "full"),
+    steps=48,
+    host_gb=None,
+):
+    """The N requests served for real (serve.serve: continuous batching), every system through the
+    same scheduler at its largest batch, random weights and random prompts, greedy. Per system and
+    G: time to first token (median, p90, max), output tokens/s, the whole time, GPU and host memory
+    peaks; and, on a full batch at context P, decode steps alone against steps while a P-token
+    prompt prefills beside them (its prefill time then, against alone)."""
+    from fast import GraphedDecode, compile_model
+    from generate import random_model
+    from kvcache import KVCache
+
+    cuda = torch.cuda.is_available()
+    dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    preset, over = SHAPES[shape]
+    max_len, budget = prompt_len + max(new_tokens), budget_gb * 2**30
+    host = host_gb * 2**30 if host_gb else memory.host_bytes_available()
+    rows = []
+    for name in systems:
+        label, attn, use_offload = SYSTEMS[name]
+        torch.manual_seed(0)
+        cfg = Config.from_preset(preset, **over, attn=attn, max_seq_len=max_len)
+        model = compile_model(random_model(cfg, dev, dtype), prefill=True) if cuda else None
+        model = model or random_model(cfg, dev, dtype)
+        weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        Bz, (chunk, on_host) = largest_plan(
+            cfg, weights, requests, prompt_len, max_len, dtype, budget, host, use_offload, True
+        )
+        row = dict(system=label, shape=shape, prompt_len=prompt_len, batch=Bz, chunk=chunk)
+        rows.append(row)
+        if Bz == 0:
+            print(row, flush=True)
+            continue
+        micro = 2 if use_offload and Bz >= 16 else 1
+        if use_offload:
+            cache = offload.OffloadCache(cfg, Bz, dev, dtype, max_len=max_len, host_budget=host)
+        else:
+            cache = KVCache(cfg, Bz, dev, dtype, max_len)
+        prompt = lambda: torch.randint(0, cfg.vocab_size, (prompt_len,)).tolist()
+        pick = lambda logits: logits.argmax(-1)
+        for i, G in enumerate((8,) + tuple(new_tokens)):  # 0: compiles what the others launch
+            reqs = [serve.Request(prompt(), G) for _ in range(requests if i else 1)]
+            sync()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            serve.serve(model, reqs, cache, pick, (), chunk, on_host, micro)
+            total, ttft = time.perf_counter() - t0, sorted(r.t_first for r in reqs)
+            if not i:
+                continue
+            row[f"G{G}"] = dict(
+                total_s=seconds(total),
+                output_tokens_s=round(sum(len(r.out) for r in reqs) / total, 1),
+                ttft_median_s=seconds(statistics.median(ttft)),
+                ttft_p90_s=seconds(ttft[(9 * len(ttft)) // 10]),
+                ttft_max_s=seconds(ttft[-1]),
+                gpu_peak_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+            )
+        fill_random(cache, cfg, Bz, prompt_len, dev, dtype)
+        for seq in list(cache.parked):  # rows that serve left parked now decode what was filled
+            cache.start(seq)
+        decode = GraphedDecode(model, cache, micro)
+        row.update(beside_prefill(model, cache, decode, prompt(), chunk, on_host, steps, sync))
+        row["host_peak_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1)
+        print(row, flush=True)
+        del cache, model, decode  # (the graph holds both)
+        free(cuda)
+    for G in new_tokens:  # the ratios against full attention, per G
+        done = [r for r in rows if f"G{G}" in r]
+        base = next((r[f"G{G}"]["total_s"] for r in done if r["system"].startswith("full")), None)
+        for r in done:
+            if base:
+                r[f"G{G}"]["vs_full"] = round(base / r[f"G{G}"]["total_s"], 2)
+    return rows
+
+
+def beside_prefill(model, cache, decode, ids, chunk, on_host, steps, sync):
+    """Decode steps of the batch (row 0 parked for a new prompt) alone, and a prompt's prefill into
+    row 0 on serve.py's streams alone, then both side by side: each one's time there against alone."""
+    cuda, Bz, dev = cache.len.is_cuda, len(cache.len), cache.len.device
+    with torch.cuda.stream(torch.cuda.Stream(priority=-1) if cuda else None):
+        cache.park(0)
+        t_step = timed_steps(decode, Bz, model.cfg, steps, dev, sync)
+        tok, times = torch.zeros(Bz, dtype=torch.long, device=dev), []
+        for beside in (False, True):
+            side = torch.cuda.Stream() if cuda else None
+            pre = serve.Prefill(model, serve.Request(ids, 1), 0, cache, side, chunk, on_host)
+            t0, n = time.perf_counter(), 0
+            while not pre.done():
+                if beside:
+                    tok = decode(tok).argmax(-1)
+                ran = pre.launch(model.cfg.n_layer)  # as serve.serve, at its default
+                if beside and ran is not None:  # the next step after them
+                    torch.cuda.current_stream().wait_event(ran)
+                if beside:
+                    n += len(tok.tolist()) > 0  # (the step's tokens to the host, as serve's)
+            times.append(time.perf_counter() - t0)
+    return dict(
+        step_alone_ms=round(t_step * 1e3, 2),
+        step_beside_prefill_ms=round(times[1] / n * 1e3, 2),
+        decode_kept=round(t_step * n / times[1], 2),
+        prefill_alone_s=seconds(times[0]),
+        prefill_beside_decode_s=seconds(times[1]),
+    )

@@ -1,0 +1,185 @@
+"""Continuous batching (serve.py): every request gets the tokens it gets alone, and a row that a
+new request reuses holds nothing of the old one where the new one reads."""
+
+import copy
+import json
+import os
+import sysconfig
+
+import pytest
+import torch
+
+import checkpoint
+import generate
+import serve
+from kvcache import KVCache
+from offload import OffloadCache
+from prefill import prefill, prefill_chunks
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    model, tokenizer = checkpoint.load(checkpoint.DEFAULT_CHECKPOINT, dtype=torch.float32)
+    with open(os.path.join(sysconfig.get_paths()["stdlib"], "textwrap.py")) as f:
+        text = tokenizer.encode(f.read()).ids
+    return model, text
+
+
+def prompts(text, lens):  # prompts of these lengths from different places of a real text
+    return [text[97 * i : 97 * i + n] for i, n in enumerate(lens)]
+
+
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=GPU)])
+@pytest.mark.parametrize("Cache", [KVCache, OffloadCache])
+def test_served_requests_get_the_tokens_they_get_alone(embedded, Cache, device):
+    """Ragged prompts (3 to 600 tokens, sparsity at work from 256) and lengths, an end-of-sequence
+    token in the middle of some, six requests over two rows: each request's greedy tokens equal
+    those of its own generation (on a GPU: decode steps as CUDA graphs, the prefills on a stream of
+    their own beside them)."""
+    model, text = embedded
+    model = copy.deepcopy(model).to(device) if device == "cuda" else model
+    ids, news = prompts(text, [600, 30, 420, 3, 300, 150]), [40, 25, 60, 12, 30, 45]
+    alone = [generate.generate(model, [p], n)[0] for p, n in zip(ids, news)]
+    eos = alone[0][len(alone[0]) // 2]  # a token that comes in the middle of the first answer
+    alone = [a[: a.index(eos) + 1] if eos in a else a for a in alone]
+    assert sum(len(a) < n for a, n in zip(alone, news)) >= 2  # some end early, at EOS
+    assert sum(len(a) == n for a, n in zip(alone, news)) >= 2  # some at their length
+    reqs = [serve.Request(p, n) for p, n in zip(ids, news)]
+    cache = Cache(model.cfg, 2, device, torch.float32, max(len(p) + n for p, n in zip(ids, news)))
+    ended = []
+    serve.serve(model, reqs, cache, lambda x: x.argmax(-1), {eos}, chunk=32, on_done=ended.append)
+    assert [r.out for r in reqs] == alone
+    assert sorted(map(id, ended)) == sorted(map(id, reqs)) and all(
+        r.t_end >= r.t_first for r in reqs
+    )
+
+
+def row_state(cache, seq, T):
+    """What a decode step of row seq at position T reads of its cache (KVCache or OffloadCache)."""
+    cfg, H, sub = cache.cfg, cache.cfg.H_kv, cache.sub
+    r, M = slice(seq * H, (seq + 1) * H), (T - cfg.l_c) // cfg.s_c + 1
+    state = [cache.len[seq : seq + 1], cache.active[seq : seq + 1]]
+    for i in range(cfg.n_layer):
+        state += [cache.c[i][seq, :, :T], sub.K_sub[i][seq, :, :M], sub.c_sub[i][seq, :, :M]]
+        state += [sub.ring_k[i][seq], sub.ring_c[i][seq], sub.core_ids[i][seq], sub.core_E[i][seq]]
+        if isinstance(cache, KVCache):
+            state += [cache.k[i][seq, :, :T], cache.v[i][seq, :, :T]]
+        else:
+            n = T // cfg.B
+            state += [cache.host[i][r, :n], cache.tail[i][r, :, : T - n * cfg.B]]
+            state += [cache.slot_block[i][r], cache.block_slot[i][r], cache.fresh[i][r]]
+    return state
+
+
+@pytest.mark.parametrize("Cache", [KVCache, OffloadCache])
+def test_a_reused_row_holds_nothing_of_the_old_request(embedded, Cache):
+    """Row 0 serves a 500-token request, then a 200-token one prefills into it while row 1 keeps
+    decoding: all that a step reads of row 0 equals a fresh cache's after that prompt alone, and so
+    does the next step's output."""
+    model, text = embedded
+    old, other, new = prompts(text, [500, 300, 200])
+    cache = Cache(model.cfg, 2, "cpu", torch.float32, 600)
+    for seq, p in enumerate((old, other)):
+        prefill(model, torch.tensor([p]), cache, seq)
+    tok = torch.tensor([old[-1], other[-1]])
+    with torch.no_grad():
+        for _ in range(20):
+            tok = model.decode(tok, cache).argmax(-1)
+        cache.park(0)
+        for _ in prefill_chunks(model, torch.tensor([new]), cache, 0, chunk=32):
+            tok = model.decode(tok, cache).argmax(-1)  # the batch decodes (row 0 parked)
+        cache.start(0)
+        fresh = Cache(model.cfg, 1, "cpu", torch.float32, 600)
+        prefill(model, torch.tensor([new]), fresh, 0, chunk=32)
+        for a, b in zip(row_state(cache, 0, len(new)), row_state(fresh, 0, len(new)), strict=True):
+            assert torch.equal(a, b)
+        tok[0] = 17
+        logits = model.decode(tok, cache)[0], model.decode(tok[:1], fresh)[0]
+    torch.testing.assert_close(*logits, rtol=1e-5, atol=1e-5)
+
+
+def test_generate_serves_a_file_of_requests(tmp_path, capsys):
+    """generate.py --requests: more requests than rows, per-request max_new_tokens, completions as
+    JSON lines, a line per request with its time to first token, the same tokens as alone."""
+    lines = [
+        {"prompt": "import os\n", "max_new_tokens": 12},
+        {"prompt": "def add(a, b):\n    return a + b\n"},
+        {"prompt": "class Point:", "max_new_tokens": 5},
+    ]
+    path, out = tmp_path / "r.jsonl", tmp_path / "out.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in lines) + "\n\n")
+    got = generate.main(
+        requests=str(path), completions=str(out), batch=2, max_new_tokens=20, temperature=0.0,
+        offload=True, device="cpu",
+    )  # fmt: skip
+    alone = [
+        generate.main(prompt=r["prompt"], max_new_tokens=r.get("max_new_tokens", 20),
+                      temperature=0.0, device="cpu", quiet=True)[0]
+        for r in lines
+    ]  # fmt: skip
+    assert got == alone and [len(g) for g in got] == [12, 20, 5]
+    printed = capsys.readouterr().out
+    assert printed.count("first token after") == 3 and "served: 3 requests over 2 rows" in printed
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["request"] for r in rows) == [0, 1, 2]
+    assert all(r["new_tokens"] == len(got[r["request"]]) and r["ttft_s"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize(
+    "content, msg",
+    [
+        ('{"prompt": 3}\n', 'line 1: give a JSON object with a "prompt" text'),
+        ('{"prompt": "x"}\nnot json\n', "line 2: give a JSON object"),
+        ('{"prompt": "x", "max_new_tokens": 0}\n', "line 1:"),
+        ("\n\n", "no request in it"),
+    ],
+)
+def test_a_bad_requests_file_is_one_line(tmp_path, content, msg):
+    path = tmp_path / "r.jsonl"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=msg):
+        generate.main(requests=str(path), device="cpu")
+
+
+def test_served_bench_small():
+    """python -m bench requests --served, tiny shape: every request runs, each system at the batch
+    its memory plan gives, and the steps beside a prefill are timed."""
+    from bench.requests import bench_served
+
+    rows = bench_served(shape="tiny", prompt_len=300, new_tokens=(8,), requests=3, budget_gb=0.7,
+                        steps=2, systems=("nosa-offload", "full"))  # fmt: skip
+    for r in rows:
+        assert r["batch"] == 3 and r["G8"]["total_s"] > 0 and r["G8"]["output_tokens_s"] > 0
+        assert 0 < r["G8"]["ttft_median_s"] <= r["G8"]["ttft_p90_s"] <= r["G8"]["ttft_max_s"]
+        assert r["step_alone_ms"] > 0 and r["prefill_beside_decode_s"] > 0
+    assert rows[1]["G8"]["vs_full"] == 1.0
+
+
+def test_a_served_plan_holds_a_prefill_beside_the_decode_step():
+    """Serving prefills beside the decoding batch: the GPU budget must hold both working memories,
+    where a static batch needs the larger."""
+    import memory
+    from config import Config
+
+    cfg, dtype, Bz, P, L, weights = (
+        Config.from_preset("paper-8b"),
+        torch.bfloat16,
+        8,
+        2**17,
+        2**17 + 1024,
+        2**34,
+    )
+    fixed = weights + memory.cache_bytes(cfg, Bz, L, dtype, True)[0]
+    step = memory.decode_bytes(cfg, Bz, L, dtype)
+    plan = lambda room, served: memory.plan_memory(
+        cfg, weights, Bz, P, L, dtype, fixed + room, None, True, 4096, served
+    )
+    for on_host in (False, True):  # the residual stream on the GPU, or waiting in host memory
+        pre = memory.prefill_bytes(cfg, P, 4096, dtype, on_host)
+        assert pre > step and plan(pre, False) == (4096, on_host)
+        assert plan(pre + step, True) == (4096, on_host)
+    with pytest.raises(MemoryError, match="at most"):
+        plan(pre + step / 2, True)
