@@ -416,7 +416,8 @@ def serve_requests(o, model, tokenizer, cache, ids, news, chunk, on_host, micro,
 
     pick = lambda logits: sample(logits, o.temperature, o.top_k)
     t0 = time.perf_counter()
-    serve.serve(model, reqs, cache, pick, model.eos_ids, chunk, on_host, micro, on_done=done)
+    decode = fast.GraphedDecode(model, cache, micro)
+    serve.serve(model, reqs, cache, pick, model.eos_ids, chunk, on_host, decode, on_done=done)
     total, ttft = time.perf_counter() - t0, sorted(r.t_first for r in reqs)
     if out:
         out.close()

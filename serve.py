@@ -14,7 +14,7 @@ free, no other prompt is prefilling, and its prompt and new tokens fit a row.
 
 Each turn of the loop:
   1. admit: a free row parks (Cache.park: it waits at position 0) and the next prompt starts there
-  2. one decode step of every row (fast.GraphedDecode); the parked rows' outputs are ignored
+  2. one decode step of every row (`decode`); the parked rows' outputs are ignored
   3. launch the prefill's next chunks (per_step); the next decode step waits for them
   4. the step's tokens to the host: a row whose sequence ends is parked, its request done
   5. a prefill that has run to its end: its row starts (Cache.start) with the prompt's next token
@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-import fast
 from prefill import prefill_chunks
 
 
@@ -73,11 +72,12 @@ class Prefill:
 
 
 @torch.no_grad()
-def serve(model, requests, cache, pick, eos_ids=(), chunk=None, on_host=False, micro_batches=1,
+def serve(model, requests, cache, pick, eos_ids=(), chunk=None, on_host=False, decode=None,
           per_step=None, on_done=None):  # fmt: skip
     """Serve `requests` (Request) over the cache's rows, in order of arrival; returns them answered.
     pick(logits (n, vocab)) -> (n,) tokens: the sampling. chunk, on_host: the prefill's (memory.
-    plan_memory). per_step: the prefill's chunks (of a layer each) per decode step, and the next
+    plan_memory). decode(tok (Bz,)) -> logits (Bz, vocab): the step (default model.decode; the
+    scripts give fast.GraphedDecode). per_step: the prefill's chunks (of a layer each) per decode step, and the next
     step waits for them (default n_layer: a chunk's worth of the prompt through the whole model, as
     the token budget of chunked prefill in serving engines). on_done(request) as each request ends."""
     dev, Bz = cache.len.device, len(cache.len)
@@ -103,7 +103,7 @@ def serve(model, requests, cache, pick, eos_ids=(), chunk=None, on_host=False, m
         tok = torch.zeros(Bz, dtype=torch.long, device=dev)  # each row's last token
         for row in range(Bz):
             cache.park(row)
-        decode = fast.GraphedDecode(model, cache, micro_batches)
+        decode = decode or (lambda tok: model.decode(tok, cache))
         t0 = time.perf_counter()
 
         def end(row, req):  # the row's sequence has its last token

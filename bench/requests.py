@@ -268,7 +268,8 @@ def bench_served(
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
-            serve.serve(model, reqs, cache, pick, (), chunk, on_host, micro)
+            decode = GraphedDecode(model, cache, micro)
+            serve.serve(model, reqs, cache, pick, (), chunk, on_host, decode)
             total, ttft = time.perf_counter() - t0, sorted(r.t_first for r in reqs)
             if not i:
                 continue

@@ -69,7 +69,7 @@ def test_kernels_are_leaves_and_speed_comes_from_outside():
         assert imports(path) & project <= {"config", "common"}, path
     for (
         name
-    ) in "config pooling eviction nosa attention model kvcache prefill offload memory".split():
+    ) in "config pooling eviction nosa attention model kvcache prefill offload memory serve".split():
         path = os.path.join(ROOT, f"{name}.py")
         assert "fast" not in imports(path), path
         assert "@triton.jit" not in open(path, encoding="utf-8").read(), path

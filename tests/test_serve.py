@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import checkpoint
+import fast
 import generate
 import serve
 from kvcache import KVCache
@@ -50,7 +51,10 @@ def test_served_requests_get_the_tokens_they_get_alone(embedded, Cache, device):
     reqs = [serve.Request(p, n) for p, n in zip(ids, news)]
     cache = Cache(model.cfg, 2, device, torch.float32, max(len(p) + n for p, n in zip(ids, news)))
     ended = []
-    serve.serve(model, reqs, cache, lambda x: x.argmax(-1), {eos}, chunk=32, on_done=ended.append)
+    step = fast.GraphedDecode(model, cache)  # as the scripts serve
+    serve.serve(
+        model, reqs, cache, lambda x: x.argmax(-1), {eos}, 32, decode=step, on_done=ended.append
+    )
     assert [r.out for r in reqs] == alone
     assert sorted(map(id, ended)) == sorted(map(id, reqs)) and all(
         r.t_end >= r.t_first for r in reqs
