@@ -398,15 +398,15 @@ def serve_requests(o, model, tokenizer, cache, ids, news, chunk, on_host, micro,
     totals. Returns the new tokens of each."""
     reqs = [serve.Request(p, n) for p, n in zip(ids, news)]
     number = {id(r): i for i, r in enumerate(reqs)}
-    out = open(o.completions, "w", encoding="utf-8") if o.completions else None
+    jsonl = open(o.completions, "w", encoding="utf-8") if o.completions else None
 
     def done(req):
         i, text = number[id(req)], tokenizer.decode(req.out)
         ttft, rate = req.t_first, req.tokens_per_s()
-        if out:
+        if jsonl:
             line = dict(request=i, completion=text, new_tokens=len(req.out), ttft_s=ttft)
-            out.write(json.dumps(dict(line, tokens_per_s=rate)) + "\n")
-            out.flush()
+            jsonl.write(json.dumps(dict(line, tokens_per_s=rate)) + "\n")
+            jsonl.flush()
         elif not o.quiet:
             print(f"--- request {i} ---\n{tokenizer.decode(req.ids)}{text}\n---")
         print(
@@ -416,11 +416,12 @@ def serve_requests(o, model, tokenizer, cache, ids, news, chunk, on_host, micro,
 
     pick = lambda logits: sample(logits, o.temperature, o.top_k)
     t0 = time.perf_counter()
-    decode = fast.GraphedDecode(model, cache, micro)
-    serve.serve(model, reqs, cache, pick, model.eos_ids, chunk, on_host, decode, on_done=done)
+    with jsonl or contextlib.nullcontext(), profiler(o.profile, device) as prof:
+        decode = fast.GraphedDecode(model, cache, micro)
+        serve.serve(model, reqs, cache, pick, model.eos_ids, chunk, on_host, decode, on_done=done)
     total, ttft = time.perf_counter() - t0, sorted(r.t_first for r in reqs)
-    if out:
-        out.close()
+    if prof:
+        prof.export_chrome_trace(o.profile)
     n_tok = sum(len(r.out) for r in reqs)
     print(
         f"served: {len(reqs)} requests over {len(cache.len)} rows in {total:.2f} s, {n_tok} new "

@@ -60,6 +60,7 @@ class Cache:
         self.active.copy_(~done)
 
     def park(self, seq):
+        """Row seq stops decoding, at position 0, for a new prompt (or none)."""
         self.len[seq] = self.len_cpu[seq] = 0
         self.active[seq] = self.active_cpu[seq] = False
         self.parked[seq] = []

@@ -350,9 +350,8 @@ class OffloadCache(Cache):
         if c is not None:
             self.c[layer] = grow(self.c[layer], T, 2)
             self.c[layer][seq, :, 1:T] = c[:, 1:]
-            self.put(
-                seq, self.c[layer], (seq, slice(None), 0), c[:, 0]
-            )  # where a parked row writes
+            # position 0, where a parked row writes, at start
+            self.put(seq, self.c[layer], (seq, slice(None), 0), c[:, 0])
         self.sub.prefill(layer, seq, k, c, pooled, self.put)
         if layer == cfg.n_layer - 1:
             self.set_length(seq, T)

@@ -75,25 +75,20 @@ class Prefill:
 def serve(model, requests, cache, pick, eos_ids=(), chunk=None, on_host=False, decode=None,
           per_step=None, on_done=None):  # fmt: skip
     """Serve `requests` (Request) over the cache's rows, in order of arrival; returns them answered.
-    pick(logits (n, vocab)) -> (n,) tokens: the sampling. chunk, on_host: the prefill's (memory.
-    plan_memory). decode(tok (Bz,)) -> logits (Bz, vocab): the step (default model.decode; the
-    scripts give fast.GraphedDecode). per_step: the prefill's chunks (of a layer each) per decode step, and the next
-    step waits for them (default n_layer: a chunk's worth of the prompt through the whole model, as
-    the token budget of chunked prefill in serving engines). on_done(request) as each request ends."""
+    pick(logits (n, vocab)) -> (n,) tokens: the sampling. chunk, on_host: the prefill's
+    (memory.plan_memory). decode(tok (Bz,)) -> logits (Bz, vocab): the step (default model.decode;
+    the scripts give fast.GraphedDecode). per_step: the prefill's chunks (of a layer each) per
+    decode step, which waits for them (default n_layer: a chunk's worth of the prompt through the
+    whole model, as the token budget of chunked prefill in serving engines). on_done(request) as
+    each request ends."""
     dev, Bz = cache.len.device, len(cache.len)
-    if (
-        Bz == 0
-        or min(len(r.ids) for r in requests) == 0
-        or min(r.max_new_tokens for r in requests) < 1
-    ):
-        raise ValueError(
-            "serve needs a row, and requests of a token or more and max_new_tokens >= 1"
-        )
+    if not all(r.ids and r.max_new_tokens >= 1 for r in requests):
+        raise ValueError("every request needs a prompt of a token or more and max_new_tokens >= 1")
     longest = max(len(r.ids) + r.max_new_tokens for r in requests)
-    if longest > cache.capacity():
+    if Bz == 0 or longest > cache.capacity():
         raise ValueError(
-            f"a request needs {longest} tokens and the cache's rows hold {cache.capacity()}: "
-            f"make the cache with max_len={longest} or more"
+            f"a request needs {longest} tokens and the cache has {Bz} rows of "
+            f"{cache.capacity()}: make it with a row or more and max_len={longest} or more"
         )
     cuda, eos = dev.type == "cuda", set(eos_ids)
     decode_stream = torch.cuda.Stream(dev, priority=-1) if cuda else None  # above the prefill's

@@ -228,7 +228,9 @@ def bench_served(
     same scheduler at its largest batch, random weights and random prompts, greedy. Per system and
     G: time to first token (median, p90, max), output tokens/s, the whole time, GPU and host memory
     peaks; and, on a full batch at context P, decode steps alone against steps while a P-token
-    prompt prefills beside them (its prefill time then, against alone)."""
+    prompt prefills beside them (its prefill time then, against alone). Beside each total, the
+    static schedule's composed from this run's prefill and steps (bench_requests' composition; the
+    last, smaller batch's step runs with the other rows parked)."""
     from fast import GraphedDecode, compile_model
     from generate import random_model
     from kvcache import KVCache
@@ -286,6 +288,14 @@ def bench_served(
             cache.start(seq)
         decode = GraphedDecode(model, cache, micro)
         row.update(beside_prefill(model, cache, decode, prompt(), chunk, on_host, steps, sync))
+        cache.start(0)  # the prompt beside_prefill prefilled there
+        last = requests % Bz if requests > Bz else 0  # the static schedule's smaller last batch
+        for seq in range(last, Bz if last else 0):
+            cache.park(seq)
+        t_last = last and timed_steps(decode, Bz, cfg, steps, dev, sync)
+        for G in new_tokens:  # static batches composed from this run's prefill and steps
+            times = row["prefill_alone_s"], row["step_alone_ms"] / 1e3, t_last or None
+            row[f"G{G}"]["static_composed_s"] = seconds(compose(requests, Bz, G, *times)[1])
         row["host_peak_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1)
         print(row, flush=True)
         del cache, model, decode  # (the graph holds both)

@@ -67,9 +67,9 @@ def test_kernels_are_leaves_and_speed_comes_from_outside():
     project = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "*.py"))}
     for path in glob.glob(os.path.join(ROOT, "*_kernels.py")):
         assert imports(path) & project <= {"config", "common"}, path
-    for (
-        name
-    ) in "config pooling eviction nosa attention model kvcache prefill offload memory serve".split():
+    for name in (
+        "config pooling eviction nosa attention model kvcache prefill offload memory serve".split()
+    ):
         path = os.path.join(ROOT, f"{name}.py")
         assert "fast" not in imports(path), path
         assert "@triton.jit" not in open(path, encoding="utf-8").read(), path

@@ -159,6 +159,7 @@ def test_served_bench_small():
         assert r["batch"] == 3 and r["G8"]["total_s"] > 0 and r["G8"]["output_tokens_s"] > 0
         assert 0 < r["G8"]["ttft_median_s"] <= r["G8"]["ttft_p90_s"] <= r["G8"]["ttft_max_s"]
         assert r["step_alone_ms"] > 0 and r["prefill_beside_decode_s"] > 0
+        assert r["G8"]["static_composed_s"] > 3 * r["prefill_alone_s"]  # 3 prefills, then steps
     assert rows[1]["G8"]["vs_full"] == 1.0
 
 
@@ -187,3 +188,13 @@ def test_a_served_plan_holds_a_prefill_beside_the_decode_step():
         assert plan(pre + step, True) == (4096, on_host)
     with pytest.raises(MemoryError, match="at most"):
         plan(pre + step / 2, True)
+
+
+def test_requests_that_cannot_be_served_are_one_line(embedded):
+    model, _ = embedded
+    cache = KVCache(model.cfg, 2, "cpu", torch.float32, 64)
+    argmax = lambda x: x.argmax(-1)
+    with pytest.raises(ValueError, match="a prompt of a token or more"):
+        serve.serve(model, [serve.Request([], 4)], cache, argmax)
+    with pytest.raises(ValueError, match="needs 70 tokens .* max_len=70 or more"):
+        serve.serve(model, [serve.Request([1] * 60, 10)], cache, argmax)
