@@ -10,6 +10,7 @@ Benchmarks, run on the GPU machine; every figure is a ratio against a limit meas
     python -m bench throughput --shape 8b --prompt-len 32768 --budget-gb 24   # decode at a fixed GPU budget
     python -m bench throughput --trained --prompt-len 8192                     # the same, trained tiny models
     python -m bench requests --shape 8b --prompt-len 131072 --budget-gb 24    # whole requests: prefill + decode
+    python -m bench requests --served --shape 8b --prompt-len 131072          # the same, served (serve.py)
     python -m bench recall --ckpts out/                 # long-range recall (tasks.py) of the tiny models, by distance
     python -m bench head [--checkpoint DIR]             # can the eviction head alone learn to keep a fact? (CPU)
     python -m bench plot                                # BENCHMARKS.md's figures from bench/results/*.json
