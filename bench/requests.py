@@ -325,10 +325,11 @@ def beside_prefill(model, cache, decode, ids, chunk, on_host, steps, sync):
                 if beside:
                     tok = decode(tok).argmax(-1)
                 ran = pre.launch(model.cfg.n_layer)  # as serve.serve, at its default
-                if beside and ran is not None:  # the next step after them
-                    torch.cuda.current_stream().wait_event(ran)
                 if beside:
-                    n += len(tok.tolist()) > 0  # (the step's tokens to the host, as serve's)
+                    if ran is not None:  # the next step after them
+                        torch.cuda.current_stream().wait_event(ran)
+                    tok.tolist()  # the step's tokens to the host, as serve's
+                    n += 1
             times.append(time.perf_counter() - t0)
     return dict(
         step_alone_ms=round(t_step * 1e3, 2),
