@@ -27,6 +27,7 @@ import offload
 import serve
 from bench.throughput import SHAPES, SYSTEMS, fill_random
 from config import Config
+from kvcache import KVCache
 from prefill import prefill
 
 
@@ -81,7 +82,6 @@ def bench_requests(
 ):
     from fast import GraphedDecode, compile_model
     from generate import random_model
-    from kvcache import KVCache
 
     cuda = torch.cuda.is_available()
     dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
@@ -122,12 +122,7 @@ def bench_requests(
         if Bz == 0:
             print(row, flush=True)
             continue
-        new_cache = lambda n: (
-            offload.OffloadCache(cfg, n, dev, dtype, max_len=max_len, host_budget=host)
-            if use_offload
-            else KVCache(cfg, n, dev, dtype, max_len)
-        )
-        cache = new_cache(Bz)
+        cache = new_cache(cfg, Bz, dev, dtype, max_len, host, use_offload)
         idx = torch.randint(0, cfg.vocab_size, (1, prompt_len), device=dev)
         # a whole prefill first: it compiles every kernel the timed one launches (the selection kernel once per
         # power of two of the block count, which grows with the prompt), so the timed one is the steady state
@@ -150,7 +145,7 @@ def bench_requests(
         if last:  # its own step, on a cache of that many rows
             del cache
             free(cuda)
-            cache = new_cache(last)
+            cache = new_cache(cfg, last, dev, dtype, max_len, host, use_offload)
             fill_random(cache, cfg, last, prompt_len, dev, dtype)
             t_last = timed_steps(GraphedDecode(model, cache), last, cfg, steps, dev, sync)
             row.update(last_batch=last, last_step_ms=round(t_last * 1e3, 2))
@@ -176,19 +171,25 @@ def bench_requests(
         print(row, flush=True)
         del cache, model
         free(cuda)
-    for G in new_tokens:  # the ratios against full attention, per G
-        base = next(
-            (
-                r[f"G{G}"]["total_s"]
-                for r in rows
-                if r["system"].startswith("full") and f"G{G}" in r
-            ),
-            None,
-        )
-        for r in rows:
-            if base and f"G{G}" in r:
+    return vs_full(rows, new_tokens)
+
+
+def vs_full(rows, new_tokens):
+    """Each row's total against full attention's, per G (in place); returns the rows."""
+    for G in new_tokens:
+        done = [r for r in rows if f"G{G}" in r]
+        base = next((r[f"G{G}"]["total_s"] for r in done if r["system"].startswith("full")), None)
+        for r in done:
+            if base:
                 r[f"G{G}"]["vs_full"] = round(base / r[f"G{G}"]["total_s"], 2)
     return rows
+
+
+def new_cache(cfg, n, dev, dtype, max_len, host, use_offload):
+    """The decode cache of n rows a system runs: offloaded (NOSI) or resident."""
+    if use_offload:
+        return offload.OffloadCache(cfg, n, dev, dtype, max_len=max_len, host_budget=host)
+    return KVCache(cfg, n, dev, dtype, max_len)
 
 
 def free(cuda):
@@ -233,7 +234,6 @@ def bench_served(
     last, smaller batch's step runs with the other rows parked)."""
     from fast import GraphedDecode, compile_model
     from generate import random_model
-    from kvcache import KVCache
 
     cuda = torch.cuda.is_available()
     dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
@@ -258,10 +258,7 @@ def bench_served(
             print(row, flush=True)
             continue
         micro = 2 if use_offload and Bz >= 16 else 1
-        if use_offload:
-            cache = offload.OffloadCache(cfg, Bz, dev, dtype, max_len=max_len, host_budget=host)
-        else:
-            cache = KVCache(cfg, Bz, dev, dtype, max_len)
+        cache = new_cache(cfg, Bz, dev, dtype, max_len, host, use_offload)
         prompt = lambda: torch.randint(0, cfg.vocab_size, (prompt_len,)).tolist()
         pick = lambda logits: logits.argmax(-1)
         for i, G in enumerate((8,) + tuple(new_tokens)):  # 0: compiles what the others launch
@@ -300,13 +297,7 @@ def bench_served(
         print(row, flush=True)
         del cache, model, decode  # (the graph holds both)
         free(cuda)
-    for G in new_tokens:  # the ratios against full attention, per G
-        done = [r for r in rows if f"G{G}" in r]
-        base = next((r[f"G{G}"]["total_s"] for r in done if r["system"].startswith("full")), None)
-        for r in done:
-            if base:
-                r[f"G{G}"]["vs_full"] = round(base / r[f"G{G}"]["total_s"], 2)
-    return rows
+    return vs_full(rows, new_tokens)
 
 
 def beside_prefill(model, cache, decode, ids, chunk, on_host, steps, sync):
