@@ -100,6 +100,21 @@ def write(model, tokenizer, tmp, dtype, train_state, optimizer):
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(model.cfg.to_dict(), f, indent=1)
     tokenizer.save(os.path.join(tmp, "tokenizer.json"))
+    # how the model generates, as side_files reads it back: its end-of-sequence ids, the special
+    # tokens its chat template refers to, the template
+    for name, obj in (
+        (
+            "generation_config.json",
+            {"eos_token_id": sorted(model.eos_ids)} if model.eos_ids else None,
+        ),
+        ("tokenizer_config.json", model.special_tokens or None),
+    ):
+        if obj:
+            with open(os.path.join(tmp, name), "w") as f:
+                json.dump(obj, f, indent=1)
+    if model.chat_template:
+        with open(os.path.join(tmp, "chat_template.jinja"), "w", encoding="utf-8") as f:
+            f.write(model.chat_template)
     if train_state is not None:
         with open(os.path.join(tmp, "train_state.json"), "w") as f:
             json.dump(train_state, f)
@@ -111,6 +126,9 @@ FILES = (
     "model.safetensors",
     "config.json",
     "tokenizer.json",
+    "generation_config.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
     "train_state.json",
     "optimizer.pt",
 )  # what save writes
@@ -417,7 +435,8 @@ def load(path, device="cpu", dtype=None, **overrides):
 def side_files(path, raw, cfg):
     """What a checkpoint says besides its weights, each field checked (one line naming the file and
     the field): the end-of-sequence ids (config.json, generation_config.json: one id or a list), the
-    chat template and the special tokens it refers to (tokenizer_config.json), and the tokenizer,
+    chat template (chat_template.jinja, else tokenizer_config.json) and the special tokens it refers
+    to (tokenizer_config.json), and the tokenizer,
     whose ids must fit the model's vocabulary. Returns (eos_ids, chat_template, special_tokens,
     tokenizer)."""
     f = os.path.join(path, "tokenizer.json")
@@ -447,6 +466,13 @@ def side_files(path, raw, cfg):
         eos_ids.add(tokenizer.token_to_id(EOT))  # this format ends where a document ends
     tok_cfg = read_json(path, "tokenizer_config.json")
     template = tok_cfg.get("chat_template")
+    jinja = os.path.join(path, "chat_template.jinja")  # where current tools write it
+    if os.path.isfile(jinja):
+        try:
+            with open(jinja, encoding="utf-8") as fh:
+                template = fh.read()
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{jinja} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     if isinstance(template, list):  # Hugging Face's named templates: the default one
         template = next(
             (
