@@ -330,24 +330,7 @@ def load(path, device="cpu", dtype=None, **overrides):
             f"checkpoint {path!r} lacks {', '.join(missing)}: train one with "
             f"`python train.py --out {path}`, or give the path of an existing one"
         )
-    try:
-        with open(os.path.join(path, "config.json")) as f:
-            raw = json.load(f)
-        if "hidden_size" in raw:  # Hugging Face: documented defaults for the keys it leaves out
-            cfg = config_from_hf(raw, **overrides)
-        else:  # this project's format writes every field: a missing one is an error, not a default
-            lacking = [
-                f.name for f in fields(Config) if f.name not in raw and f.name not in ADDED_LATER
-            ]
-            if lacking:
-                raise ValueError(f"it lacks {', '.join(map(repr, lacking))}")
-            cfg = Config(**{**raw, **overrides})
-    except ValueError as e:  # the Config's own checks say what is wrong
-        raise ValueError(f"{os.path.join(path, 'config.json')}: {e}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError, TypeError, KeyError) as e:
-        raise ValueError(
-            f"{os.path.join(path, 'config.json')} is not a valid NOSA config ({e})"
-        ) from None
+    raw, cfg = read_config(path, **overrides)
     weight_map = read_json(path, "model.safetensors.index.json").get("weight_map")
     if os.path.isfile(index) and not (
         isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())
@@ -430,6 +413,29 @@ def load(path, device="cpu", dtype=None, **overrides):
         special_tokens,
     )
     return model.eval(), tokenizer
+
+
+def read_config(path, **overrides):
+    """The checkpoint's config.json as it is (a dict) and as a Config with `overrides`: this
+    project's format, or Hugging Face's (checked, with its documented defaults)."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            raw = json.load(f)
+        if "hidden_size" in raw:  # Hugging Face: documented defaults for the keys it leaves out
+            return raw, config_from_hf(raw, **overrides)
+        # this project's format writes every field: a missing one is an error, not a default
+        lacking = [
+            f.name for f in fields(Config) if f.name not in raw and f.name not in ADDED_LATER
+        ]
+        if lacking:
+            raise ValueError(f"it lacks {', '.join(map(repr, lacking))}")
+        return raw, Config(**{**raw, **overrides})
+    except ValueError as e:  # the Config's own checks say what is wrong
+        raise ValueError(f"{os.path.join(path, 'config.json')}: {e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, TypeError, KeyError) as e:
+        raise ValueError(
+            f"{os.path.join(path, 'config.json')} is not a valid NOSA config ({e})"
+        ) from None
 
 
 def side_files(path, raw, cfg):

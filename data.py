@@ -7,6 +7,7 @@ every machine has, no download.
 
 import glob
 import hashlib
+import json
 import os
 import re
 import sysconfig
@@ -120,8 +121,33 @@ def tokens(path, vocab_size):
     return np.memmap(path, dtype=token_dtype(vocab_size), mode="r")
 
 
-def prepare(data_dir, vocab_size, data=None):
-    """Train the tokenizer and write train.bin / val.bin (token_dtype) once; reuse them after."""
+def fingerprint(tok):
+    """A tokenizer's identity, the same on any machine and `tokenizers` version: its vocabulary
+    and how it cuts a probe text (merges and pre-tokenizer)."""
+    h = hashlib.sha1(json.dumps(sorted(tok.get_vocab(with_added_tokens=True).items())).encode())
+    probe = "def f(x):\n\tif x == 12345:  # It's\n        return [x, 'y']  ünï €\r\n"
+    h.update(str(tok.encode(probe * 3, add_special_tokens=False).ids).encode())
+    return h.hexdigest()[:8]
+
+
+def streams_dir(data_dir, corpus, vocab_size, tokenizer=None):
+    """Where a corpus's token streams are cached: CORPUS-VOCAB for the BPE learned from it, and
+    CORPUS-tokFINGERPRINT for a model's own tokenizer (CORPUS-VOCAB where it is that same BPE)."""
+    own = os.path.join(data_dir, f"{corpus}-{vocab_size}")
+    if tokenizer is None:
+        return own
+    from tokenizers import Tokenizer
+
+    fp, learned = fingerprint(tokenizer), os.path.join(own, "tokenizer.json")
+    if os.path.isfile(learned) and fingerprint(Tokenizer.from_file(learned)) == fp:
+        return own
+    return os.path.join(data_dir, f"{corpus}-tok{fp}")
+
+
+def prepare(data_dir, vocab_size, data=None, tokenizer=None, end=EOT):
+    """Write train.bin / val.bin (token_dtype) once, and reuse them after: the text encoded with
+    `tokenizer` (a model's own, for continued training), else with a BPE learned from it here.
+    Each document ends with the token `end`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok_path = os.path.join(data_dir, "tokenizer.json")
@@ -130,6 +156,10 @@ def prepare(data_dir, vocab_size, data=None):
         for f in ("tokenizer.json", "train.bin", "val.bin")
     ):
         return Tokenizer.from_file(tok_path)
+    if tokenizer is not None and tokenizer.token_to_id(end or "") is None:
+        raise ValueError(
+            f"the model's tokenizer has no {end or 'end-of-text'} token to end documents"
+        )
     docs = documents(data)
     os.makedirs(data_dir, exist_ok=True)
     val = {name for name, _ in docs if is_val(name)}
@@ -142,26 +172,30 @@ def prepare(data_dir, vocab_size, data=None):
             (f"{n}:val", t[c:]) for (n, t), (_, c) in zip(docs, cut)
         ]
         val = {name for name, _ in docs if name.endswith(":val")}
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOT],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
     mb = sum(map(len, (t for _, t in docs))) / 1e6
+    how = "the model's tokenizer" if tokenizer else f"a {vocab_size}-token BPE learned from it"
     print(
-        f"preparing the corpus (once): a {vocab_size}-token BPE learned from {mb:.1f} MB of "
-        f"text, then the text as token streams in {data_dir}",
+        f"preparing the corpus (once): {mb:.1f} MB of text, with {how}, as token streams in "
+        f"{data_dir}",
         flush=True,
     )
-    tok.train_from_iterator((text for name, text in docs if name not in val), trainer)
-    eot = tok.token_to_id(EOT)
+    tok = tokenizer
+    if tok is None:
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=[EOT],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tok.train_from_iterator((text for name, text in docs if name not in val), trainer)
+    eot = tok.token_to_id(end)
     for split in ("train", "val"):
         texts = [text for name, text in docs if (name in val) == (split == "val")]
-        ids = [i for enc in tok.encode_batch(texts) for i in enc.ids + [eot]]
+        encoded = tok.encode_batch(texts, add_special_tokens=False)  # no BOS: EOT separates
+        ids = [i for enc in encoded for i in enc.ids + [eot]]
         np.array(ids, dtype=token_dtype(vocab_size)).tofile(os.path.join(data_dir, f"{split}.bin"))
     tok.save(tok_path)
     return tok

@@ -29,7 +29,7 @@ import checkpoint
 import common
 import config
 from config import Config
-from data import STDLIB_CORPUS, corpus_id, get_batch, prepare, tokens
+from data import STDLIB_CORPUS, corpus_id, get_batch, prepare, streams_dir, tokens
 from model import Transformer
 
 SHAPE_FIELDS = (
@@ -168,7 +168,9 @@ def main(**flags):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if int(os.environ.get("RANK", "0")) == 0:
         o.lock = checkpoint.hold(o.out)  # held for the run's life: one run per --out
-    run = run_record(o, cfg, state, world, int(os.environ.get("RANK", "0")) == 0)
+    # the corpus is encoded with the tokenizer of the model trained on (a new BPE for a new model)
+    model_tok = init[1] if init else saved_tokenizer(o.out) if o.resume else None
+    run = run_record(o, cfg, state, world, int(os.environ.get("RANK", "0")) == 0, model_tok)
     if state and state["step"] >= o.steps:
         print(
             f"the run in {o.out} is complete (step {state['step']} of {o.steps}); to train "
@@ -180,11 +182,11 @@ def main(**flags):
     # a fixed thread count also turns off MKL's dynamic threads, which under load sum in another
     # order: without it a run resumed on a busy machine is not bit for bit the run it continues
     torch.set_num_threads(torch.get_num_threads())
-    tok, train_data, val_data = load_data(o, cfg, run, world, master)
+    tok, train_data, val_data = load_data(o, cfg, run, world, master, model_tok, init)
     torch.manual_seed(o.seed)
     model = Transformer(cfg).to(device)
     if init:
-        start_from(model, *init, tok, o.init_from, master)
+        start_from(model, init[0], o.init_from, master)
     opt, evict = optimizer(model, o, device)
     step = 0
     if o.resume:
@@ -217,7 +219,10 @@ def main(**flags):
 def configure(o, overrides):
     """The run's Config: the preset's with --set's fields, or --init-from's (its shape, this mode).
     Returns it and (the model, tokenizer) to start from, or None."""
-    if not o.init_from:
+    if started_from_a_model(o) and checkpoint.is_checkpoint(o.out):  # its shape, not a preset's
+        cfg = replace(checkpoint.read_config(o.out)[1], attn=o.attn, **overrides)
+        init = None
+    elif not o.init_from:
         cfg = Config.from_preset(o.preset, attn=o.attn, **overrides)
         init = None
     else:
@@ -243,6 +248,15 @@ def configure(o, overrides):
             f"--seq-len {o.seq_len} exceeds the preset's max_seq_len {cfg.max_seq_len}"
         )
     return cfg, init
+
+
+def started_from_a_model(o):
+    """Whether --resume continues a run that was started --init-from a model (check_out says
+    what is wrong with a damaged state)."""
+    try:
+        return o.resume and bool(checkpoint.read_json(o.out, "train_state.json").get("init_from"))
+    except ValueError:
+        return False
 
 
 def check_out(o):
@@ -274,6 +288,12 @@ def check_out(o):
     return state
 
 
+def saved_tokenizer(path):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+
+
 def start_processes(device):
     """(rank, world size, device): DistributedDataParallel under torchrun (NCCL on GPUs, gloo on
     CPUs), else one process."""
@@ -287,21 +307,20 @@ def start_processes(device):
     return rank, world, common.pick_device(device)
 
 
-def run_record(o, cfg, state, world, master):
+def run_record(o, cfg, state, world, master, model_tok=None):
     """The run's record: its corpus (by the hash of its files) and the flags that make it. A resumed
     run must be the saved one, config and flag for flag, also when it is complete; a larger --steps
     extends it, and says so."""
     corpus = o.corpus
     if corpus is None:
         corpus = corpus_id(o.data)  # the cache follows the files: a change of them makes a new one
-    elif o.data or not os.path.exists(
-        os.path.join(o.data_dir, f"{corpus}-{cfg.vocab_size}", "train.bin")
-    ):
-        raise FileNotFoundError(
-            f"--corpus {corpus}: no prepared token streams in {o.data_dir}/"
-            f"{corpus}-{cfg.vocab_size} (prepare them where the files are, with "
-            f"train.py, and copy that directory), and no --data beside it"
-        )
+    else:
+        where = streams_dir(o.data_dir, corpus, cfg.vocab_size, model_tok)
+        if o.data or not os.path.exists(os.path.join(where, "train.bin")):
+            raise FileNotFoundError(
+                f"--corpus {corpus}: no prepared token streams in {where} (prepare them where "
+                f"the files are, with train.py, and copy that directory), and no --data beside it"
+            )
     if master and not o.data and corpus != STDLIB_CORPUS:
         print(
             f"note: this interpreter's standard library (Python {sysconfig.get_python_version()}, "
@@ -349,15 +368,19 @@ def run_record(o, cfg, state, world, master):
     return run
 
 
-def load_data(o, cfg, run, world, master):
-    """The tokenizer and the token streams (made once, cached by the corpus's hash)."""
-    data_dir = os.path.join(o.data_dir, f"{run['corpus']}-{cfg.vocab_size}")
+def load_data(o, cfg, run, world, master, model_tok=None, init=None):
+    """The tokenizer and the token streams (made once, cached by the corpus's hash and the
+    tokenizer): a new BPE for a new model, the model's own tokenizer for one trained further."""
+    data_dir = streams_dir(o.data_dir, run["corpus"], cfg.vocab_size, model_tok)
+    end = checkpoint.EOT
+    if model_tok is not None and model_tok.token_to_id(end) is None and init:
+        end = init[0].special_tokens.get("eos_token")  # a document ends as a sequence does
     if master:
-        tok = prepare(data_dir, cfg.vocab_size, o.data)
+        tok = prepare(data_dir, cfg.vocab_size, o.data, model_tok, end)
     if world > 1:
         dist.barrier()
     if not master:
-        tok = prepare(data_dir, cfg.vocab_size, o.data)  # loads what rank 0 wrote
+        tok = prepare(data_dir, cfg.vocab_size, o.data, model_tok, end)  # what rank 0 wrote
     train_data = tokens(os.path.join(data_dir, "train.bin"), cfg.vocab_size)
     val_data = tokens(os.path.join(data_dir, "val.bin"), cfg.vocab_size)
     if min(len(train_data), len(val_data)) <= o.seq_len + 1:
@@ -368,22 +391,19 @@ def load_data(o, cfg, run, world, master):
     return tok, train_data, val_data
 
 
-def start_from(model, init_model, init_tok, tok, path, master):
-    """--init-from: the model's weights from init_model's; an eviction head it lacks stays as made."""
-    if init_tok.to_str() != tok.to_str():
-        raise ValueError(
-            f"--init-from {path}: its tokenizer is not the one of this corpus; train on "
-            f"the data it was trained on (--data)"
-        )
+def start_from(model, init_model, path, master):
+    """--init-from: the model's weights from init_model's (an eviction head it lacks stays as made,
+    A = 0), and how it generates (end-of-sequence ids, chat template), which its checkpoints keep."""
+    model.eos_ids, model.chat_template = init_model.eos_ids, init_model.chat_template
+    model.special_tokens = init_model.special_tokens
     sd = init_model.state_dict()
     own = model.state_dict()
     head = [n for n in own if n not in sd]  # the eviction head, if the source had none
     model.load_state_dict({**own, **{n: t for n, t in sd.items() if n in own}})
     if master:
-        print(
-            f"initialised from {path} ({init_model.cfg.attn})"
-            f"{'; new: ' + ', '.join(head) if head else ''}"
-        )
+        layers = len({n.split(".")[1] for n in head if n.startswith("layers.")})
+        new = f"; new: the eviction head (A = 0, W_δ) of {layers} layers" if layers else ""
+        print(f"initialised from {path} ({init_model.cfg.attn}){new}")
 
 
 def optimizer(model, o, device):
@@ -417,6 +437,8 @@ def resume(model, opt, state, out, device, master):
     step."""
     saved, _ = checkpoint.load(out, device, dtype=torch.float32)
     model.load_state_dict(saved.state_dict())
+    model.eos_ids, model.chat_template = saved.eos_ids, saved.chat_template
+    model.special_tokens = saved.special_tokens
     path = os.path.join(out, "optimizer.pt")
     try:
         opt.load_state_dict(torch.load(path, map_location=device, weights_only=True))

@@ -308,3 +308,54 @@ def test_smollm2_imports_and_answers_as_transformers_does(tmp_path):
     idx = torch.tensor([tok.encode(text).ids[:300]])
     with torch.no_grad():
         torch.testing.assert_close(model(idx), ref.eval()(idx).logits, rtol=0, atol=1e-4)
+
+
+def test_recipe_from_an_imported_model_uses_its_tokenizer(tmp_path):
+    """train.py --init-from an imported model: the corpus is encoded with the model's own tokenizer
+    (not a BPE learned from it), every pretrained weight is kept and the eviction head starts at
+    A = 0 (so the model computes what the dense one did where every block is selected), and the
+    checkpoints keep the model's EOS ids and chat template; a resumed run reads the same streams."""
+    import sysconfig
+
+    import data
+    import train
+
+    src, tok = source_model(tie=True), source_tokenizer()
+    write_gguf(tmp_path / "m.gguf", src, tok, Q.F32, pre="smollm")
+    dense = tmp_path / "dense"
+    import_gguf.main(str(tmp_path / "m.gguf"), str(dense))
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name in ("textwrap.py", "shlex.py"):
+        with open(os.path.join(sysconfig.get_paths()["stdlib"], name)) as f:
+            (corpus / name).write_text(f.read())
+    kw = dict(
+        data=str(corpus),
+        data_dir=str(tmp_path / "data"),
+        seq_len=128,
+        batch_size=2,
+        eval_every=1,
+        device="cpu",
+        warmup=0,
+    )
+    small = dict(B=16, l_c=8, s_c=4, n_sink=1, n_win=2, k=8, k_q=2)  # k·B = 128: all selected
+    out = tmp_path / "nosa"
+    nosa, _ = train.main(
+        out=str(out), attn="nosa", steps=1, lr=1e-12, init_from=str(dense), **kw, **small
+    )
+    model_tok = checkpoint.load(str(dense))[1]
+    streams = data.streams_dir(str(tmp_path / "data"), data.corpus_id(str(corpus)), 300, model_tok)
+    cid = data.corpus_id(str(corpus))
+    assert os.path.basename(streams) == f"{cid}-tok{data.fingerprint(model_tok)}"
+    assert not os.path.exists(os.path.join(tmp_path, "data", f"{cid}-300"))  # no BPE learned
+    ids = data.tokens(os.path.join(streams, "train.bin"), 300)[:200].tolist()
+    text = model_tok.decode(ids, skip_special_tokens=False)
+    assert any(f.read_text().startswith(text) for f in corpus.iterdir())  # in the model's ids
+    assert nosa.cfg.attn == "nosa" and max(l.self_attn.A.abs().max() for l in nosa.layers) < 1e-9
+    idx = torch.randint(0, 300, (2, 128))
+    with torch.no_grad():
+        torch.testing.assert_close(nosa(idx), src(idx), rtol=0, atol=1e-4)
+    saved, _ = checkpoint.load(str(out))
+    assert saved.chat_template == TEMPLATE and tok.get_vocab()["<|im_end|>"] in saved.eos_ids
+    train.main(out=str(out), attn="nosa", steps=2, lr=1e-12, resume=True, **kw, **small)
+    assert json.load(open(out / "train_state.json"))["step"] == 2
