@@ -14,7 +14,7 @@ import torch  # noqa: E402
 
 import checkpoint  # noqa: E402
 import common  # noqa: E402
-from bench import eviction, gather, kernels, plot, quality, recall
+from bench import eviction, gather, kernels, plot, pretrained, quality, recall
 from bench import requests as requests_
 from bench import throughput as throughput_
 
@@ -30,9 +30,19 @@ def main(
     systems=None,
     cases=200,
     distances=None,
+    corpus=None,
     **throughput,
 ):
     check(what, json_path, systems, dict(throughput, cases=cases))
+    if what == "pretrained":  # several tables
+        tables = pretrained.bench_pretrained(checkpoint_dir, corpus=corpus, recall_n=cases)
+        if json_path:
+            with open(json_path, "w") as f:
+                json.dump(tables, f, indent=1)
+        for name, rows in tables.items():
+            print(f"\n# {name}")
+            print_table(rows)
+        return
     if what == "quality":
         rows = quality.bench_quality(ckpts, systems or tuple(quality.SYSTEMS), judge, gen_len)
     elif what == "eviction":
@@ -67,6 +77,10 @@ def main(
     if json_path:
         with open(json_path, "w") as f:
             json.dump(rows, f, indent=1)
+    print_table(rows)
+
+
+def print_table(rows):
     keys = list(dict.fromkeys(k for r in rows for k in r))
     print(" | ".join(keys))
     for r in rows:
@@ -145,6 +159,7 @@ def cli(argv=None):
             "plot",
             "recall",
             "head",
+            "pretrained",
         ],
         help="which benchmark",
     )
@@ -158,7 +173,13 @@ def cli(argv=None):
     p.add_argument(
         "--checkpoint",
         default=checkpoint.DEFAULT_CHECKPOINT,
-        help="eviction, head: the model to diagnose (default: the embedded one)",
+        help="eviction, head: the model to diagnose (default: the embedded one); pretrained: the "
+        "imported dense model DIR, continued by train.py into DIR-full, DIR-infllmv2, DIR-nosa",
+    )
+    p.add_argument(
+        "--corpus",
+        help="pretrained: the id of the corpus the models were trained on (train_state.json's; "
+        "default: the standard library here), whose held-out files are read from data/",
     )
     p.add_argument(
         "--shape",
@@ -209,7 +230,9 @@ def cli(argv=None):
         help="requests: serve them for real, by continuous batching (default: static batches, "
         "composed from timed parts)",
     )
-    p.add_argument("--cases", type=int, default=200, help="recall: tasks per distance bin")
+    p.add_argument(
+        "--cases", type=int, default=200, help="recall, pretrained: tasks per distance or length"
+    )
     p.add_argument(
         "--distances",
         type=positive_ints,
@@ -243,6 +266,7 @@ def cli(argv=None):
         gen_len=a.gen_len,
         cases=a.cases,
         distances=a.distances,
+        corpus=a.corpus,
         systems=a.systems.split(",") if a.systems else None,
         **kw,
     )

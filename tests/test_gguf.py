@@ -359,3 +359,62 @@ def test_recipe_from_an_imported_model_uses_its_tokenizer(tmp_path):
     assert saved.chat_template == TEMPLATE and tok.get_vocab()["<|im_end|>"] in saved.eos_ids
     train.main(out=str(out), attn="nosa", steps=2, lr=1e-12, resume=True, **kw, **small)
     assert json.load(open(out / "train_state.json"))["step"] == 2
+
+
+def test_bench_pretrained_on_a_small_imported_model(tmp_path):
+    """python -m bench pretrained, end to end on CPU: an imported model continued in three modes,
+    every table filled, NOSA's offloaded decode within the locality theorem's bound."""
+    import sysconfig
+
+    import data
+    import train
+    from bench import pretrained
+
+    src, tok = source_model(tie=True), source_tokenizer()
+    write_gguf(tmp_path / "m.gguf", src, tok, Q.Q8_0, pre="smollm")
+    dense = str(tmp_path / "m")
+    import_gguf.main(str(tmp_path / "m.gguf"), dense)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name in ("textwrap.py", "shlex.py", "glob.py", "string.py"):
+        with open(os.path.join(sysconfig.get_paths()["stdlib"], name)) as f:
+            (corpus / name).write_text(f.read())
+    sparsity = dict(B=16, l_c=8, s_c=4, n_sink=1, n_win=1, k=6, k_q=2)  # k·B = 96, a core of 2
+    for attn in ("full", "infllmv2", "nosa"):
+        train.main(
+            out=f"{dense}-{attn}",
+            attn=attn,
+            init_from=dense,
+            data=str(corpus),
+            data_dir=str(tmp_path / "data"),
+            steps=2,
+            seq_len=256,
+            batch_size=2,
+            eval_every=2,
+            device="cpu",
+            **({} if attn == "full" else sparsity),
+        )
+    tables = pretrained.bench_pretrained(
+        dense,
+        corpus=data.corpus_id(str(corpus)),
+        data_dir=str(tmp_path / "data"),
+        windows=2,
+        T=256,
+        prompts=2,
+        prompt_len=150,
+        new_tokens=6,
+        recall_lengths=(120, 200),
+        recall_n=2,
+    )
+    names = [r["system"] for r in tables["loss"]]
+    assert len(names) == 6 and tables["loss"][2]["vs_full_continued"] == "+0.00%"
+    assert all(0 < r["loss"] < 10 for r in tables["loss"])
+    hit = {r["system"]: r["hit_rate"] for r in tables["offload"]}
+    assert set(hit) == {n for n in names if "infllmv2" in n or "nosa" in n}
+    assert hit["nosa, trained"] >= (6 - 2) / 6  # k_e / k
+    assert all(set(r) == {"system", "recall_120", "recall_200"} for r in tables["recall"])
+    for r in tables["fact_in_selection"]:
+        assert abs(sum(r[p] for p in ("forced", "Q", "E", "none")) - 1) < 1e-6
+    mean = tables["core"][0]
+    assert mean["layer"] == "mean" and len(tables["core"]) == 1 + src.cfg.n_layer
+    assert 0 < mean["by_chance"] < 1 and 0 <= mean["mass_in_core"] <= 1

@@ -383,7 +383,8 @@ def test_append_kernel_matches_twin(attn, dtype):
     assert not cfg.eviction_head or n_joins >= 3  # the list did change, more than once
 
 
-def test_model_through_the_kernels():
+@pytest.mark.parametrize("H_q, H_kv", [(4, 2), (3, 1)])  # G = 3: SmolLM2's groups (9 / 3)
+def test_model_through_the_kernels(H_q, H_kv):
     """The whole system on the kernel path (compiled on a GPU, interpreted on CPU): the parallel
     forward matches the twins, and decoding through the scoring, selection, cache update and decode
     kernels (offloaded: the slot pool; resident) matches the parallel forward through the training kernels."""
@@ -394,8 +395,8 @@ def test_model_through_the_kernels():
     kw = dict(
         n_layer=1,
         dim=64,
-        H_q=4,
-        H_kv=2,
+        H_q=H_q,
+        H_kv=H_kv,
         head_dim=16,
         hidden_dim=96,
         vocab_size=97,

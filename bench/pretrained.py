@@ -1,0 +1,231 @@
+"""A pretrained model through NOSA by the paper's recipe (README: A real model): a dense model
+imported with import_gguf.py, continued by train.py --init-from in full attention (the control),
+InfLLMv2 and NOSA, and measured on the held-out files of the corpus the training read:
+
+- loss on held-out windows of T tokens, at positions T/2 .. T-1, every model with its own attention,
+  and the dense ones also decoded training-free as InfLLMv2 at the trained models' k;
+- what NOSA's eviction head keeps: how often its core holds the block the full-attention model
+  attends to most, and how much of that attention it holds, against random and recent blocks;
+- offloaded decode of held-out prompts: hit rate, blocks and bytes moved per step;
+- long-range recall in the model's chat format: a number planted at a random depth of held-out
+  code, asked for at the end ("The secret number is" begun for the assistant), greedy."""
+
+import os
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import checkpoint
+import data
+import eviction
+import pooling
+from bench.eviction import block_mass, mass_share
+
+SPARSITY = ("B", "l_c", "s_c", "n_sink", "n_win", "k", "k_q")
+
+
+def systems(dense, full, infllmv2, nosa):
+    """(name, checkpoint, config overrides): each model with its own attention, and the dense
+    ones training-free as InfLLMv2 at the NOSA model's sparsity."""
+    sparse = checkpoint.read_config(nosa)[1]
+    as_infllmv2 = dict(attn="infllmv2", **{f: getattr(sparse, f) for f in SPARSITY})
+    return [
+        ("full, imported", dense, {}),
+        ("infllmv2 training-free, imported", dense, as_infllmv2),
+        ("full, continued", full, {}),
+        ("infllmv2 training-free, continued", full, as_infllmv2),
+        ("infllmv2, trained", infllmv2, {}),
+        ("nosa, trained", nosa, {}),
+    ]
+
+
+def held_out(path, data_dir, corpus):
+    """The validation stream of the corpus as train.py encoded it for the model at path."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    vocab = checkpoint.read_config(path)[1].vocab_size
+    where = data.streams_dir(data_dir, corpus, vocab, tok)
+    if not os.path.exists(os.path.join(where, "val.bin")):
+        raise FileNotFoundError(
+            f"{where}: no token streams; train.py --init-from {path} prepares them"
+        )
+    return np.asarray(data.tokens(os.path.join(where, "val.bin"), vocab)).astype(np.int64), tok
+
+
+@torch.no_grad()
+def window_losses(model, x, lo):
+    """Mean loss per window at positions lo..T-1: x (n, T + 1)."""
+    out = []
+    for w in x:
+        logits = model(w[None, :-1])[0, lo:].float()
+        out.append(F.cross_entropy(logits, w[lo + 1 :]).item())
+    return out
+
+
+@torch.no_grad()
+def core_against_dense(nosa, dense, x, generator):
+    """NOSA's core (the n_core best candidate blocks by its E) against the full-attention model's
+    attention on the same tokens x (1, T), from position k·B on, per layer: how often the block it
+    attends to most is in the core (and by chance), and the share of its attention mass over the
+    candidates that the core holds (and random picks, and the most recent blocks)."""
+    cfg, T, dev = nosa.cfg, x.shape[1], x.device
+    t0 = cfg.k * cfg.B
+    rope = nosa.rope(torch.arange(T, device=dev)[None], torch.float32)
+    hn, hd = nosa.embed_tokens(x), dense.embed_tokens(x)
+    nb = pooling.n_blocks(T, cfg)
+    b, q_blk = torch.arange(nb, device=dev), (torch.arange(t0, T, device=dev) // cfg.B)[:, None]
+    cand = (b >= cfg.n_sink) & (b < q_blk - cfg.n_win)  # (T', nb)
+    ok = cand.sum(-1) > cfg.n_core  # positions where the core is a choice
+    rows = []
+    for ln, ld in zip(nosa.layers, dense.layers):
+        _, _, _, c = ln.self_attn.qkvc(ln.input_layernorm(hn), rope)
+        q, k, _, _ = ld.self_attn.qkvc(ld.input_layernorm(hd), rope)
+        mass = block_mass(q, k, None, cfg, t0)  # (H_kv, T', nb): the dense model's attention
+        E = eviction.eviction_block_scores(pooling.pool_mean(c[0].float(), cfg), nb, cfg)
+        core = eviction.core_blocks(E[:, None, :].expand_as(mass), cand, cfg.n_core)
+        noise = torch.rand(mass.shape, generator=generator).to(dev)
+        rand = eviction.core_blocks(noise, cand.expand_as(mass), cfg.n_core)
+        recent = cand & (b >= q_blk - cfg.n_win - cfg.n_core)
+        top = mass.masked_fill(~cand, -1).argmax(-1, keepdim=True)  # (H_kv, T', 1)
+        rows.append(
+            [
+                core.gather(-1, top)[..., 0][:, ok].float().mean().item(),
+                (cfg.n_core / cand.sum(-1).float())[ok].mean().item(),
+                mass_share(mass, core, cand)[:, ok].nanmean().item(),
+                mass_share(mass, rand, cand)[:, ok].nanmean().item(),
+                mass_share(mass, recent, cand)[:, ok].nanmean().item(),
+            ]
+        )
+        hn, hd = ln(hn, rope), ld(hd, rope)
+    return rows
+
+
+def recall_cases(tok, model, val, lengths, n, seed=0):
+    """n chat prompts per length (tokens of held-out code around the planted fact): [(length,
+    ids, key, position of the fact's number)]."""
+    import generate
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for length in lengths:
+        for _ in range(n):
+            key = str(rng.integers(10000, 100000))
+            s = int(rng.integers(0, len(val) - length))
+            code = [t for t in val[s : s + length].tolist() if t not in model.eos_ids]
+            depth = int(len(code) * rng.uniform(0.1, 0.9))
+            head = tok.decode(code[:depth], skip_special_tokens=False)
+            tail = tok.decode(code[depth:], skip_special_tokens=False)
+            fact = f"\nThe secret number is {key}. Remember it.\n"
+            user = f"{head}{fact}{tail}\nWhat is the secret number?"
+            text = generate.chat_prompt(model.chat_template, user, model.special_tokens)
+            ids = tok.encode(text + "The secret number is", add_special_tokens=False).ids
+            before = text[: text.index(fact) + len("\nThe secret number is")]
+            at = len(tok.encode(before, add_special_tokens=False).ids)  # the number's first token
+            out.append((length, ids, key, at))
+    return out
+
+
+@torch.no_grad()
+def bench_pretrained(
+    dense,
+    corpus=None,
+    data_dir=None,
+    windows=16,
+    T=8192,
+    prompts=8,
+    prompt_len=7000,
+    new_tokens=256,
+    recall_lengths=(2048, 4096, 7800),
+    recall_n=10,
+):
+    from bench.recall import where_the_fact_is
+    from generate import generate
+    from kvcache import KVCache
+    from offload import OffloadCache
+
+    full, infllmv2, nosa = (f"{dense}-{attn}" for attn in ("full", "infllmv2", "nosa"))
+    for path in (dense, full, infllmv2, nosa):  # all there before any work
+        if not checkpoint.is_checkpoint(path):
+            raise FileNotFoundError(
+                f"{path}: no checkpoint; README (A real model) gives the commands that make it"
+            )
+    corpus = corpus or data.corpus_id()
+    data_dir = data_dir or os.path.join(checkpoint.ROOT, "data")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    val, tok = held_out(dense, data_dir, corpus)
+    starts = np.linspace(0, len(val) - T - 2, windows).astype(int)
+    x = torch.tensor(np.stack([val[s : s + T + 1] for s in starts]), device=dev)
+    starts = np.linspace(0, len(val) - prompt_len - 2, prompts).astype(int) + T // 3
+    starts = starts % (len(val) - prompt_len - 1)
+    prompt_ids = [val[s : s + prompt_len].tolist() for s in starts]
+    cases = None
+    loss, offload, recall, where = [], [], [], []
+    for name, path, over in systems(dense, full, infllmv2, nosa):
+        model, _ = checkpoint.load(path, dev, torch.float32, **over)
+        cfg = model.cfg
+        losses = window_losses(model, x, T // 2)
+        loss.append(dict(system=name, loss=round(float(np.mean(losses)), 4), windows=windows))
+        print(loss[-1], flush=True)
+        model = model.to(dtype)
+        if cases is None:
+            cases = recall_cases(tok, model, val, recall_lengths, recall_n)
+        if cfg.sparse:
+            cache = OffloadCache(cfg, prompts, dev, dtype, max_len=prompt_len + new_tokens)
+            warm = [p[: 64 + i % 2] for i, p in enumerate(prompt_ids)]
+            generate(model, warm, 2, cache=cache)
+            cache.reset_stats()
+            torch.manual_seed(0)
+            generate(model, prompt_ids, new_tokens, 0.8, 50, cache=cache)
+            s = cache.stats
+            steps, moved = max(s.steps, 1), s.moved.sum().item()
+            offload.append(
+                dict(
+                    system=name,
+                    hit_rate=round(1 - moved / max(s.needed.sum().item(), 1), 4),
+                    blocks_per_step=round(moved / steps, 1),
+                    MB_per_step=round(moved * s.unit_bytes / steps / 1e6, 3),
+                    batch=prompts,
+                    prompt=prompt_len,
+                )
+            )
+            print(offload[-1], flush=True)
+            del cache
+        row = dict(system=name)
+        for length in recall_lengths:
+            mine = [c for c in cases if c[0] == length]
+            cache = KVCache(cfg, len(mine), dev, dtype, max(len(c[1]) for c in mine) + 8)
+            outs = generate(model, [c[1] for c in mine], 8, cache=cache)
+            hits = [key in tok.decode(o).replace(" ", "") for (_, _, key, _), o in zip(mine, outs)]
+            row[f"recall_{length}"] = f"{sum(hits)}/{len(hits)}"
+            if cfg.sparse and length == recall_lengths[-1]:  # where the fact's block stands
+                parts = [
+                    p
+                    for _, ids, _, at in mine
+                    for p in where_the_fact_is(model, ids, len(ids) - 1, at // cfg.B)
+                ]
+                where.append(
+                    dict(system=name, length=length)
+                    | {
+                        p: round(parts.count(p) / len(parts), 3)
+                        for p in ("forced", "Q", "E", "none")
+                    }
+                )
+        recall.append(row)
+        print(row, flush=True)
+        del model
+    ref = next(r["loss"] for r in loss if r["system"] == "full, continued")
+    for r in loss:
+        r["vs_full_continued"] = f"{100 * (r['loss'] / ref - 1):+.2f}%"
+    nosa_m = checkpoint.load(nosa, dev, torch.float32)[0]
+    dense_m = checkpoint.load(full, dev, torch.float32)[0]
+    g = torch.Generator().manual_seed(0)
+    per_layer = np.mean([core_against_dense(nosa_m, dense_m, w[None, :-1], g) for w in x[:4]], 0)
+    keys = ("top_block_in_core", "by_chance", "mass_in_core", "mass_random", "mass_recent")
+    core = [dict(layer="mean") | dict(zip(keys, np.round(per_layer.mean(0), 3).tolist()))]
+    core += [
+        dict(layer=i) | dict(zip(keys, np.round(r, 3).tolist())) for i, r in enumerate(per_layer)
+    ]
+    return dict(loss=loss, offload=offload, recall=recall, fact_in_selection=where, core=core)
