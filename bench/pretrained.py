@@ -26,17 +26,19 @@ SPARSITY = ("B", "l_c", "s_c", "n_sink", "n_win", "k", "k_q")
 
 
 def systems(dense, full, infllmv2, nosa):
-    """(name, checkpoint, config overrides): each model with its own attention, and the dense
-    ones training-free as InfLLMv2 at the NOSA model's sparsity."""
+    """(name, checkpoint, config overrides, whether the eviction head is turned off): each model
+    with its own attention, the dense ones also training-free as InfLLMv2 at the NOSA model's
+    sparsity, and NOSA with A = 0 (its bias gone and E flat: the core is the most recent blocks)."""
     sparse = checkpoint.read_config(nosa)[1]
     as_infllmv2 = dict(attn="infllmv2", **{f: getattr(sparse, f) for f in SPARSITY})
     return [
-        ("full, imported", dense, {}),
-        ("infllmv2 training-free, imported", dense, as_infllmv2),
-        ("full, continued", full, {}),
-        ("infllmv2 training-free, continued", full, as_infllmv2),
-        ("infllmv2, trained", infllmv2, {}),
-        ("nosa, trained", nosa, {}),
+        ("full, imported", dense, {}, False),
+        ("infllmv2 training-free, imported", dense, as_infllmv2, False),
+        ("full, continued", full, {}, False),
+        ("infllmv2 training-free, continued", full, as_infllmv2, False),
+        ("infllmv2, trained", infllmv2, {}, False),
+        ("nosa, trained", nosa, {}, False),
+        ("nosa, trained, A = 0", nosa, {}, True),
     ]
 
 
@@ -163,8 +165,10 @@ def bench_pretrained(
     prompt_ids = [val[s : s + prompt_len].tolist() for s in starts]
     cases = None
     loss, offload, recall, where = [], [], [], []
-    for name, path, over in systems(dense, full, infllmv2, nosa):
+    for name, path, over, head_off in systems(dense, full, infllmv2, nosa):
         model, _ = checkpoint.load(path, dev, torch.float32, **over)
+        for layer in model.layers if head_off else ():
+            layer.self_attn.A.data.zero_()
         cfg = model.cfg
         losses = window_losses(model, x, T // 2)
         loss.append(dict(system=name, loss=round(float(np.mean(losses)), 4), windows=windows))
