@@ -309,12 +309,12 @@ def import_gguf(path, dtype=torch.float32, **overrides):
 
 def main(gguf, out, dtype="fp32", force=False):
     """Import the file into the checkpoint directory out (refused if it holds one, unless force)."""
-    out = os.path.realpath(out)
-    checkpoint.check_out(out)
+    out = os.path.realpath(out)  # resolved once: the checks and the save see one directory
     if checkpoint.is_checkpoint(out) and not force:
         raise FileExistsError(f"--out {out} already holds a checkpoint; --force replaces it")
     dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    model, tok = import_gguf(gguf, dt)
+    model, tok = import_gguf(gguf, dt)  # the whole file read and checked: nothing written yet
+    checkpoint.check_out(out)
     checkpoint.save(model, tok, out)
     cfg = model.cfg
     n = sum(p.numel() for p in model.parameters())

@@ -267,12 +267,12 @@ def test_malformed_files_are_one_line_before_anything_is_written(tmp_path, capsy
         w.write_tensors_to_file()
         w.close()
         f = tmp_path / "k.gguf"
-    out = tmp_path / "out"
+    out = tmp_path / "new" / "out"
     with pytest.raises(SystemExit) as e:
         import_gguf.cli([str(f), "--out", str(out)])
     err = capsys.readouterr().err
     assert e.value.code == 2 and msg in err and len(err.strip().splitlines()) == 1, err
-    assert not out.exists() and not (tmp_path / "out.tmp").exists()
+    assert not (tmp_path / "new").exists()  # not even its folder
 
 
 SMOLLM2 = os.environ.get("SMOLLM2_GGUF") or os.path.join(
