@@ -51,15 +51,32 @@ def byte_tokenizer():
     return tok
 
 
+MARK = ".nosa-save"  # in every directory a save makes: what recovery may move or delete
+
+
+def staging(path):
+    """Where a save of path writes first, and where it moves the checkpoint it replaces: hidden
+    names beside path that the project owns (.NAME.saving, .NAME.replaced)."""
+    parent, name = os.path.split(os.path.normpath(path))
+    return os.path.join(parent, f".{name}.saving"), os.path.join(parent, f".{name}.replaced")
+
+
+def made_by_save(d):
+    return os.path.isdir(d) and not os.path.islink(d) and os.path.isfile(os.path.join(d, MARK))
+
+
 def save(model, tokenizer, path, dtype=None, train_state=None, optimizer=None):
     """Write weights (in `dtype`, or as they are), config, tokenizer and, for a training run, its state
-    (train_state.json) and the optimizer's (optimizer.pt). Atomic: everything goes to path.tmp first,
-    which then replaces path by renames, so a process killed at any moment leaves a whole checkpoint
-    on disk: the new one, or the old one (at path, or at path.old for the instant between the two
-    renames, where `recover` finds it)."""
+    (train_state.json) and the optimizer's (optimizer.pt). Atomic: everything goes to .NAME.saving
+    first, which then replaces path by renames (the previous checkpoint moved to .NAME.replaced,
+    then deleted), so a process killed at any moment leaves a whole checkpoint on disk, which load
+    finds and the next save or run puts in place (`recover`). Only directories a save made (they
+    hold MARK) are ever moved or deleted; path is resolved by the caller (a link is refused)."""
     path = os.path.normpath(path)
-    tmp, old = path + ".tmp", path + ".old"
-    shutil.rmtree(tmp, ignore_errors=True)  # what a killed save left
+    if os.path.islink(path):
+        raise ValueError(f"{path} is a symbolic link; give the directory it points to")
+    tmp, old = staging(path)
+    recover(path)  # a killed save's directories, or one line naming what is in the way
     try:
         write(model, tokenizer, tmp, dtype, train_state, optimizer)
     except Exception as e:  # a full disk, a quota: the serializers say so in many lines
@@ -69,22 +86,26 @@ def save(model, tokenizer, path, dtype=None, train_state=None, optimizer=None):
             f"could not save a checkpoint to {path} ({reason}); the previous one there, "
             f"if any, is intact: free disk space and --resume"
         ) from None
-    recover(path)
-    if os.path.isdir(path):
+    replaces = os.path.isdir(path)
+    if replaces:
         foreign = foreign_files(path)
         if foreign:  # check_out refused it before the run; never delete what is not ours
             shutil.rmtree(tmp, ignore_errors=True)
             raise FileExistsError(
                 f"{path} holds {foreign[0]}, which is not a checkpoint of ours: not replaced"
             )
+        open(os.path.join(path, MARK), "w").close()  # (one an older version saved lacks it)
         os.rename(path, old)
     os.rename(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
+    if replaces:
+        shutil.rmtree(old)
 
 
 def write(model, tokenizer, tmp, dtype, train_state, optimizer):
-    """save's files, into the directory tmp."""
+    """save's files, into the directory tmp (the mark first: a killed save's is recognised)."""
     os.makedirs(tmp)
+    with open(os.path.join(tmp, MARK), "w") as f:
+        f.write("a directory of checkpoint.save; its next save or run removes it when it is left\n")
     sd = {k: v.detach().to(dtype or v.dtype).contiguous() for k, v in model.state_dict().items()}
     sd = {
         k: v.clone() if v.device.type == "cpu" else v.cpu() for k, v in sd.items()
@@ -123,6 +144,7 @@ def write(model, tokenizer, tmp, dtype, train_state, optimizer):
 
 
 FILES = (
+    MARK,
     "model.safetensors",
     "config.json",
     "tokenizer.json",
@@ -136,9 +158,19 @@ FILES = (
 
 def foreign_files(path):
     """What a directory holds besides the files of a checkpoint of ours (a save replaces it whole)
-    and the locks of runs into the directories it holds (hold)."""
-    ours = lambda f: f in FILES or f.startswith(".") and f.endswith(".lock")
-    return sorted(f for f in os.listdir(path) if not ours(f))
+    and the locks of runs into what it holds (hold: .NAME.lock beside NAME, holding a process id)."""
+
+    def lock(f):
+        if not (
+            f.startswith(".")
+            and f.endswith(".lock")
+            and os.path.lexists(os.path.join(path, f[1:-5]))
+        ):
+            return False
+        with open(os.path.join(path, f), errors="replace") as fh:
+            return fh.read(32).strip().isdigit()
+
+    return sorted(f for f in os.listdir(path) if f not in FILES and not lock(f))
 
 
 def check_out(path):
@@ -208,10 +240,21 @@ def hold(path):
 
 
 def recover(path):
-    """Where a save was killed between its renames, the newest whole checkpoint at path, said in one
-    line: the previous one put back (killed after the first rename), or the previous one removed
-    (killed after the second, the new one already at path)."""
-    path, old = os.path.normpath(path), os.path.normpath(path) + ".old"
+    """Before a save or a run writes path: where a save was killed, the newest whole checkpoint put
+    at path, said in one line (killed between its renames: the previous one moved back; after
+    them: the previous one deleted; while writing: the unfinished one deleted). A directory in the
+    staging places that a save did not make is left alone, and refused in one line."""
+    path = os.path.normpath(path)
+    tmp, old = staging(path)
+    for d in (tmp, old):
+        if os.path.lexists(d) and not made_by_save(d):
+            raise FileExistsError(
+                f"{d} is in the way of saving {path} and was not made by a save of this "
+                f"project; move it elsewhere"
+            )
+    if os.path.isdir(tmp):
+        shutil.rmtree(tmp)
+        print(f"recovered {path}: removed {tmp}, a save that was killed", file=sys.stderr)
     if not os.path.isdir(old):
         return
     if os.path.isdir(path):
@@ -222,9 +265,18 @@ def recover(path):
         print(f"recovered {path}: the checkpoint a killed save had moved aside", file=sys.stderr)
 
 
+def located(path):
+    """Where the checkpoint of path is to be read: path, or, where a save was killed between its
+    renames, the previous checkpoint it had moved aside (read where it is: loading never moves or
+    deletes anything)."""
+    old = staging(path)[1]
+    if not os.path.exists(path) and made_by_save(old):
+        return old
+    return path
+
+
 def is_checkpoint(path):
-    recover(path)
-    return os.path.isfile(os.path.join(path, "config.json"))
+    return os.path.isfile(os.path.join(located(path), "config.json"))
 
 
 def rope_from_hf(hf):
@@ -307,7 +359,7 @@ def load(path, device="cpu", dtype=None, **overrides):
     one (config.json, model.safetensors or shards with model.safetensors.index.json, tokenizer.json).
     `overrides` change config fields (e.g. attn="infllmv2"). Every failure is one line that says what
     to do, and comes before any tensor is loaded: nothing is half-loaded."""
-    recover(path)
+    path = located(path)
     if os.path.isfile(path):
         raise FileNotFoundError(
             f"{path!r} is a file, not a checkpoint directory; give the directory train.py "

@@ -112,8 +112,13 @@ def run_cli(main, *args, **kwargs):
     keeps its traceback."""
     try:
         return main(*args, **kwargs)
-    except ANTICIPATED as e:
-        print(f"error: {e}", file=sys.stderr)
+    except ANTICIPATED as e:  # (an allocator's MemoryError says nothing: say what it was)
+        say = str(e) or (
+            "out of memory; make the batch or the sequences smaller"
+            if isinstance(e, MemoryError)
+            else type(e).__name__
+        )
+        print(f"error: {say}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt as e:  # Ctrl-C: one line (train.py says where its checkpoint is)
         print(f"interrupted{f': {e}' if str(e) else ''}", file=sys.stderr)

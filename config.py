@@ -4,6 +4,7 @@ The symbols are the paper's (nosa.py's docstring and docs/METHOD.md §2 say what
 field is checked when a Config is made, so a bad config.json or --set fails in one line, here.
 """
 
+import math
 from dataclasses import asdict, dataclass, fields, replace
 
 MODES = ("full", "infllmv2", "dma", "nosa")
@@ -54,6 +55,22 @@ class Config:
                 isinstance(v, want) and (f.type is bool or not isinstance(v, bool)),
                 f"{f.name}={v!r} must be {say}",
             )
+        for name in ("rope_theta", "norm_eps"):  # a config.json may hold NaN or Infinity
+            v = getattr(self, name)
+            check(math.isfinite(v) and v > 0, f"{name}={v!r} must be a positive, finite number")
+        scaling = self.rope_scaling or {}
+        check(
+            isinstance(scaling, dict)
+            and all(
+                isinstance(v, (int, float))
+                and not isinstance(v, bool)
+                and math.isfinite(v)
+                and v > 0
+                for k, v in scaling.items()
+                if k != "rope_type"
+            ),
+            f"rope_scaling={self.rope_scaling!r}: its numbers must be positive and finite",
+        )
         check(self.attn in MODES, f"attn={self.attn!r}; choose one of {MODES}")
         sizes = (
             "n_layer",

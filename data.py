@@ -35,18 +35,35 @@ def source_files(data=None):
             for p in glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
             if "site-packages" not in p
         ) + [topics.__file__]
-    paths = (
-        [data]
-        if os.path.isfile(data)
-        else sorted(
-            p for p in glob.glob(os.path.join(data, "**", "*"), recursive=True) if os.path.isfile(p)
-        )
-    )
+    paths = [data] if os.path.isfile(data) else walk(data)
     if not paths:
         raise FileNotFoundError(
             f"--data {data!r}: no files found; give a text file or a directory of them"
         )
     return paths
+
+
+def walk(root):
+    """The files under root, sorted, hidden ones left out, each file and directory once however
+    many links lead to it (a link to a folder above it is not a loop)."""
+    seen_dirs, seen_files, out = set(), set(), []
+    for d, dirs, files in os.walk(root, followlinks=True):
+        if os.path.realpath(d) in seen_dirs:
+            dirs[:] = []
+            continue
+        seen_dirs.add(os.path.realpath(d))
+        dirs[:] = sorted(x for x in dirs if not x.startswith("."))
+        for f in files:
+            p = os.path.join(d, f)
+            if not f.startswith(".") and os.path.isfile(p):
+                out.append(p)
+    out.sort()
+    unique = []
+    for p in out:  # the first of the paths to one file
+        if os.path.realpath(p) not in seen_files:
+            seen_files.add(os.path.realpath(p))
+            unique.append(p)
+    return unique
 
 
 def corpus_id(data=None):

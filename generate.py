@@ -15,7 +15,6 @@ JSON line in --completions, with its time to first token and tokens/s.
 
 import argparse
 import contextlib
-import json
 import math
 import os
 import sys
@@ -119,6 +118,7 @@ class Options:
     prompt: object = None  # a text, or a list of texts (a ragged batch); None: prompt.txt
     requests: str = None  # a file of requests: a prompt a line, or JSON lines (.jsonl)
     completions: str = None  # a JSONL file for the served requests' completions
+    force: bool = False  # replace an existing completions file
     max_new_tokens: int = 300
     batch: int = None  # rows; None: one per prompt
     temperature: float = 0.8
@@ -162,13 +162,12 @@ class Options:
             raise ValueError(f"--seed {self.seed}: give a whole number from 0 to 2^63 - 1")
         if self.compile not in ("auto", "on", "off"):
             raise ValueError(f"--compile {self.compile}: give auto, on or off")
+        if self.requests:
+            self.requests = checkpoint.resolve(self.requests)
+        inputs = {os.path.realpath(p) for p in (self.requests, self.checkpoint) if p}
         for flag, path in (("--profile", self.profile), ("--completions", self.completions)):
-            try:  # a file that cannot be written is found now, not after the generation
-                path and open(path, "a").close()
-            except OSError as e:
-                raise ValueError(
-                    f"{flag} {path}: cannot write it ({e.strerror}); give a writable path"
-                ) from None
+            if path:  # found now, not after the generation; nothing is made before serving
+                check_output(flag, path, inputs, replace=flag == "--profile" or self.force)
 
 
 def main(**flags):
@@ -178,15 +177,27 @@ def main(**flags):
     o = Options(**flags)
     o.check()
     device = common.pick_device(o.device)
+    requests = []  # the file read and checked before the model is loaded
+    if o.requests:
+        requests = serve.parse_requests(read_prompt(o.requests, "--requests"), o.requests)
+    n = len([o.prompt] if isinstance(o.prompt, str) else o.prompt or [None]) + len(requests)
+    if o.completions and not (o.requests or o.batch and o.batch < n):
+        raise ValueError(
+            "--completions holds served requests' completions: give --requests FILE, or more "
+            "prompts than --batch"
+        )
     torch.manual_seed(o.seed)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model, tokenizer = load(o, device, dtype)
-    prompts, ids, news = encode(o, model, tokenizer)
+    prompts, ids, news, names = encode(o, model, tokenizer, requests)
     P, max_len = max(map(len, ids)), max(len(p) + n for p, n in zip(ids, news))
     if o.random:  # any length: a random model has no trained context
         model.cfg = replace(model.cfg, max_seq_len=max(model.cfg.max_seq_len, max_len))
-    for p, n in zip(ids, news):  # before any cache is allocated
-        model.check_length(len(p), n)
+    for p, n, name in zip(ids, news, names):  # before any cache is allocated
+        try:
+            model.check_length(len(p), n)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
     batch = o.batch or len(ids)
     serving = o.requests is not None or batch < len(ids)
     if o.offload and model.cfg.attn == "full":
@@ -199,7 +210,8 @@ def main(**flags):
     micro = speed_up(o, model, device, batch, rows)
     cache = make_cache(o, model, device, dtype, batch, max_len, host, chunk, micro, rows)
     if serving:
-        return serve_requests(o, model, tokenizer, cache, ids, news, chunk, on_host, micro, device)
+        args = (chunk, on_host, micro, device)
+        return serve_requests(o, model, tokenizer, cache, ids, news, names, *args)
     ids = rows
     printer = None if batch > 1 or o.quiet or o.prompt_len else Printer(tokenizer, model.eos_ids)
     if printer:
@@ -228,9 +240,7 @@ def main(**flags):
             print(f"--- sample {i} ---\n{tokenizer.decode(ids[i])}{tokenizer.decode(seq)}")
         print("---")
     report(o, model, cache, out, ids, progress, t_end, chunk, on_host, weights, gpu, device)
-    if prof:
-        prof.export_chrome_trace(o.profile)
-        print(f"profile: {o.profile} (chrome://tracing or ui.perfetto.dev)")
+    export_trace(prof, o.profile)
     return out
 
 
@@ -291,16 +301,19 @@ def load(o, device, dtype):
     return random_model(cfg, device, dtype), tokenizer
 
 
-def encode(o, model, tokenizer):
+def encode(o, model, tokenizer, requests=()):
     """The prompts' texts (in the chat template with --chat), their token ids (cycled to
-    --prompt-len tokens where asked) and their max_new_tokens: --prompt's, then --requests'."""
+    --prompt-len tokens where asked), their max_new_tokens and their names in messages:
+    --prompt's, then the requests' (serve.parse_requests)."""
     prompts = [o.prompt] if isinstance(o.prompt, str) else list(o.prompt or [])
     news = [o.max_new_tokens] * len(prompts)
-    for text, n in read_requests(o.requests) if o.requests else ():
+    names = [f"prompt {i + 1}" for i in range(len(prompts))]
+    for text, n, line in requests:
         prompts.append(text)
         news.append(n or o.max_new_tokens)
+        names.append(f"request {len(names)} (line {line} of {o.requests})")
     if not prompts:
-        prompts, news = [read_prompt(PROMPT_FILE)], [o.max_new_tokens]
+        prompts, news, names = [read_prompt(PROMPT_FILE)], [o.max_new_tokens], [PROMPT_FILE]
     if o.chat:
         if not model.chat_template:
             raise ValueError(
@@ -308,41 +321,50 @@ def encode(o, model, tokenizer):
             )
         prompts = [chat_prompt(model.chat_template, p, model.special_tokens) for p in prompts]
     ids = [tokenizer.encode(p, add_special_tokens=not o.chat).ids for p in prompts]
-    if not all(ids):
-        raise ValueError("a prompt is empty after tokenisation; give some text with --prompt")
+    empty = [name for name, p in zip(names, ids) if not p]
+    if empty:
+        raise ValueError(f"{empty[0]} is empty after tokenisation; give it some text")
     if o.prompt_len:
         ids = [(p * (o.prompt_len // len(p) + 1))[: o.prompt_len] for p in ids]
-    return prompts, ids, news
+    return prompts, ids, news, names
 
 
-def read_requests(path):
-    """--requests FILE: a prompt a line, or in a .jsonl file a JSON object a line with "prompt" and
-    optionally "max_new_tokens". Returns [(text, max_new_tokens or None)]; blank lines are skipped."""
-    out, jsonl = [], path.endswith(".jsonl")
-    for n, line in enumerate(read_prompt(path, "--requests").splitlines(), 1):
-        if not line.strip():
-            continue
-        if not jsonl:
-            out.append((line, None))
-            continue
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError as e:
-            r = e.msg
-        new = r.get("max_new_tokens") if isinstance(r, dict) else None
-        if (
-            not isinstance(r, dict)
-            or not isinstance(r.get("prompt"), str)
-            or not (new is None or type(new) is int and new >= 1)
-        ):
-            raise ValueError(
-                f'--requests {path}, line {n}: give a JSON object with a "prompt" text and '
-                f'optionally a "max_new_tokens" of 1 or more ({str(r)[:60]})'
-            )
-        out.append((r["prompt"], new))
-    if not out:
-        raise ValueError(f"--requests {path}: no request in it; give a prompt a line")
-    return out
+def check_output(flag, path, inputs, replace):
+    """An output file before any work: never an input (links resolved), never a directory, an
+    existing file only where replacing it is asked, and a place that can be written; nothing is
+    made here."""
+    real = os.path.realpath(path)
+    if real in inputs:
+        raise ValueError(f"{flag} {path} is an input of this run; give another file")
+    if os.path.isdir(real):
+        raise ValueError(f"{flag} {path} is a directory; give a file in it")
+    if os.path.exists(real) and os.path.getsize(real) and not replace:
+        raise FileExistsError(f"{flag} {path} exists and is not empty; --force replaces it")
+    folder = os.path.dirname(real)
+    while not os.path.exists(folder):  # folders it lacks are made with the file
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise ValueError(f"{flag} {path}: cannot write in {folder}; give a writable path")
+
+
+def export_trace(prof, path):
+    """The profiler's trace to path, whole or not at all: written beside it, then renamed."""
+    if not prof:
+        return
+    part = f"{path}.{os.getpid()}.part"
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        prof.export_chrome_trace(part)
+        os.replace(part, path)
+    except (OSError, RuntimeError) as e:
+        for p in (part, part + ".tmp"):
+            if os.path.exists(p):
+                os.remove(p)
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise OSError(
+            f"--profile {path}: could not write the trace ({reason}); none written"
+        ) from None
+    print(f"profile: {path} (chrome://tracing or ui.perfetto.dev)")
 
 
 def speed_up(o, model, device, batch, ids):
@@ -392,21 +414,20 @@ def report(o, model, cache, out, ids, progress, t_end, chunk, on_host, weights, 
         )
 
 
-def serve_requests(o, model, tokenizer, cache, ids, news, chunk, on_host, micro, device):
+def serve_requests(o, model, tokenizer, cache, ids, news, names, chunk, on_host, micro, device):
     """The requests served by continuous batching (serve.py), in order: as each ends, its text (or
     a JSON line in --completions) and a line with its time to first token and tokens/s; then the
     totals. Returns the new tokens of each."""
     reqs = [serve.Request(p, n) for p, n in zip(ids, news)]
     number = {id(r): i for i, r in enumerate(reqs)}
-    jsonl = open(o.completions, "w", encoding="utf-8") if o.completions else None
+    jsonl = serve.Completions(o.completions) if o.completions else None
 
     def done(req):
         i, text = number[id(req)], tokenizer.decode(req.out)
         ttft, rate = req.t_first, req.tokens_per_s()
         if jsonl:
             line = dict(request=i, completion=text, new_tokens=len(req.out), ttft_s=ttft)
-            jsonl.write(json.dumps(dict(line, tokens_per_s=rate)) + "\n")
-            jsonl.flush()
+            jsonl.write(dict(line, tokens_per_s=rate), names[i])
         elif not o.quiet:
             print(f"--- request {i} ---\n{tokenizer.decode(req.ids)}{text}\n---")
         print(
@@ -420,8 +441,7 @@ def serve_requests(o, model, tokenizer, cache, ids, news, chunk, on_host, micro,
         decode = fast.GraphedDecode(model, cache, micro)
         serve.serve(model, reqs, cache, pick, model.eos_ids, chunk, on_host, decode, on_done=done)
     total, ttft = time.perf_counter() - t0, sorted(r.t_first for r in reqs)
-    if prof:
-        prof.export_chrome_trace(o.profile)
+    export_trace(prof, o.profile)
     n_tok = sum(len(r.out) for r in reqs)
     print(
         f"served: {len(reqs)} requests over {len(cache.len)} rows in {total:.2f} s, {n_tok} new "
@@ -540,11 +560,17 @@ def chat_prompt(template, text, special_tokens):
             add_generation_prompt=True,
             **special_tokens,
         )
-    except TemplateError as e:
-        raise ValueError(f"--chat: the checkpoint's chat template fails ({e})") from None
+    except Exception as e:  # TemplateError, and whatever the template's own code raises
+        reason = f"{type(e).__name__}: {e}".splitlines()[0][:160]
+        raise ValueError(f"--chat: the checkpoint's chat template fails ({reason})") from None
 
 
 def read_prompt(path, flag="--prompt-file"):
+    """A text file a flag names: relative to the working directory where it is there, else to the
+    repository (prompt.txt from anywhere); a regular file of UTF-8 text."""
+    path = checkpoint.resolve(path)
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise ValueError(f"{flag} {path} is not a regular file; give a text file")
     try:
         with open(path, encoding="utf-8") as f:
             return f.read()
@@ -568,10 +594,11 @@ def cli(argv=None):
     add(
         "--requests",
         metavar="FILE",
-        help="serve the requests in FILE: a prompt a line, or JSON lines (.jsonl) with "
-        '"prompt" and "max_new_tokens"',
+        help="serve the requests in FILE: a prompt a line, or JSON lines with "
+        '"prompt" and optionally "max_new_tokens"',
     )
     add("--completions", metavar="FILE.jsonl", help="write the served requests' completions here")
+    add("--force", action="store_true", help="replace a --completions file that exists")
     add(
         "--batch",
         type=int,

@@ -151,6 +151,7 @@ class Options:
             )
         common.pick_device(self.device)  # a device this torch lacks fails here
         self.out = self.out or os.path.join(checkpoint.ROOT, "out", f"{self.preset}-{self.attn}")
+        self.out = os.path.realpath(self.out)  # resolved once: the lock, saves and messages agree
         self.data_dir = self.data_dir or os.path.join(checkpoint.ROOT, "data")
 
 
@@ -178,6 +179,7 @@ def main(**flags):
         )
         return checkpoint.load(o.out, dtype=torch.float32)[0], state.get("val_loss")
     rank, world, device = start_processes(o.device)
+    check_fits(o, cfg, device)
     master = rank == 0
     # a fixed thread count also turns off MKL's dynamic threads, which under load sum in another
     # order: without it a run resumed on a busy machine is not bit for bit the run it continues
@@ -207,6 +209,11 @@ def main(**flags):
     )
     if master and step == o.steps:
         print(f"done: generate with `python generate.py --checkpoint {o.out}`")
+    elif master:
+        print(
+            f"stopped at step {step} of {o.steps} (--stop-at); `python train.py --resume --out "
+            f"{o.out}` continues it"
+        )
     if world > 1:  # leave without freeing the DDP wrapper: its process group's destructor joins the
         dist.barrier()  # gloo threads holding the GIL, which a thread releasing a finished work
         dist.destroy_process_group()  # item may wait for (a deadlock at exit, 1 run in 3)
@@ -278,14 +285,39 @@ def check_out(o):
     try:
         with open(path) as f:
             state = json.load(f)
-        if not isinstance(state, dict) or not isinstance(state.get("step"), int):
-            raise ValueError("no step")
+        step = state.get("step") if isinstance(state, dict) else None
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"its step is {step!r}, not a count of steps")
+        if o.steps < state.get("steps", 0):
+            raise ValueError(
+                f"--steps {o.steps}: the run in {o.out} has a schedule of {state['steps']} steps; "
+                f"give --steps {state['steps']} (or more, to extend it), or --stop-at to stop early"
+            )
     except (OSError, ValueError) as e:
+        if str(e).startswith("--steps"):
+            raise
         raise ValueError(
             f"--resume: {path} is missing or damaged ({e}); the weights in {o.out} "
             f"still generate, and --init-from {o.out} starts a new run from them"
         ) from None
     return state
+
+
+def check_fits(o, cfg, device):
+    """A step's largest tensors, the logits and their gradient in fp32, within the memory there
+    is: a batch far too large is one line here, not an allocator's failure after the corpus."""
+    import memory
+
+    need = 2 * o.batch_size * o.seq_len * cfg.vocab_size * 4
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        free = memory.host_bytes_available() or float("inf")
+    if need > free:
+        raise MemoryError(
+            f"--batch-size {o.batch_size} x --seq-len {o.seq_len}: the logits alone take "
+            f"{need / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB free; give a smaller batch"
+        )
 
 
 def saved_tokenizer(path):
@@ -460,6 +492,7 @@ def train_steps(
     eval_every; Ctrl-C says where the last checkpoint is. Returns (step, last validation loss)."""
     master = rank == 0
     t0 = t_last = time.time()
+    logged = step  # the step of the last log line
     start, val_loss = step, None
     stop_at = min(o.stop_at or o.steps, o.steps)
     saved = step if o.resume else None  # the step of the last checkpoint on disk
@@ -488,8 +521,8 @@ def train_steps(
             opt.step()
             step += 1
             if master and (step % o.log_every == 0 or step == o.steps):
-                tps = o.log_every * o.batch_size * world * o.seq_len / (time.time() - t_last)
-                t_last = time.time()
+                tps = (step - logged) * o.batch_size * world * o.seq_len / (time.time() - t_last)
+                t_last, logged = time.time(), step
                 left = (time.time() - t0) / (step - start) * (o.steps - step)
                 print(
                     f"step {step}/{o.steps} | loss {loss.item():.3f} | lr "

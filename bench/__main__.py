@@ -33,15 +33,13 @@ def main(
     corpus=None,
     **throughput,
 ):
-    check(what, json_path, systems, dict(throughput, cases=cases))
+    check(what, json_path, systems, dict(throughput, cases=cases, gen_len=gen_len, trained=trained))
     if what == "pretrained":  # several tables
         tables = pretrained.bench_pretrained(checkpoint_dir, corpus=corpus, recall_n=cases)
-        if json_path:
-            with open(json_path, "w") as f:
-                json.dump(tables, f, indent=1)
         for name, rows in tables.items():
             print(f"\n# {name}")
             print_table(rows)
+        write_json(json_path, tables)
         return
     if what == "quality":
         rows = quality.bench_quality(ckpts, systems or tuple(quality.SYSTEMS), judge, gen_len)
@@ -74,10 +72,25 @@ def main(
             sdpa=kernels.bench_sdpa,
         )
         rows = benches[what]()
-    if json_path:
-        with open(json_path, "w") as f:
+    print_table(rows)  # first: a file that cannot be written loses nothing
+    write_json(json_path, rows)
+    if what in ("throughput", "requests") and rows and not any(r.get("batch") for r in rows):
+        raise ValueError(
+            f"bench {what}: --budget-gb {throughput['budget_gb']} fits no batch of any system; "
+            f"give a larger budget or a smaller --prompt-len"
+        )
+
+
+def write_json(path, rows):
+    if not path:
+        return
+    try:
+        with open(path, "w") as f:
             json.dump(rows, f, indent=1)
-    print_table(rows)
+    except OSError as e:
+        raise OSError(
+            f"--json {path}: could not write it ({e.strerror}); the rows are above"
+        ) from None
 
 
 def print_table(rows):
@@ -91,6 +104,8 @@ def check(what, json_path, systems, throughput):
     """One line for arguments that cannot work, before any work."""
     if json_path:
         folder = os.path.dirname(os.path.abspath(json_path))
+        if os.path.isdir(json_path):
+            raise ValueError(f"--json {json_path} is a directory; give a file in it")
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
             raise ValueError(
                 f"--json {json_path}: cannot write there; give a path in a writable folder"
@@ -110,7 +125,14 @@ def check(what, json_path, systems, throughput):
         value = throughput.get(name)
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ValueError(f"{flag} {value}: give a positive, finite number of GiB")
-    flags = dict(batch_limit="--max-batch", cases="--cases", steps="--steps", requests="--requests")
+    flags = dict(
+        batch_limit="--max-batch",
+        cases="--cases",
+        steps="--steps",
+        requests="--requests",
+        prompt_len="--prompt-len",
+        gen_len="--gen-len",
+    )
     for name, flag in flags.items():
         if throughput.get(name) is not None and throughput[name] < 1:
             raise ValueError(f"{flag} {throughput[name]}: must be at least 1")
@@ -123,11 +145,33 @@ def check(what, json_path, systems, throughput):
             f"{throughput['budget_gb']}, more than a CPU decodes in time; give at most "
             f"1 (e.g. --budget-gb 0.02), or run it on a GPU"
         )
+    if what in ("throughput", "requests") and not throughput.get("trained"):
+        check_weights(throughput["shape"], throughput["budget_gb"], cuda)
     if what == "plot":
         try:
             import matplotlib  # noqa: F401
         except ModuleNotFoundError:
             raise ValueError("bench plot draws with matplotlib: pip install matplotlib") from None
+
+
+def check_weights(shape, budget_gb, cuda):
+    """The shape's weights (bf16 on a GPU, fp32 on a CPU) fit the budget and, on a CPU, the memory
+    there is: one line before a model is made."""
+    from config import Config
+    from memory import host_bytes_available
+    from model import Transformer
+
+    preset, over = throughput_.SHAPES[shape]
+    with torch.device("meta"):
+        n = sum(p.numel() for p in Transformer(Config.from_preset(preset, **over)).parameters())
+    weights = n * (2 if cuda else 4) / 2**30
+    room = budget_gb if cuda else min(budget_gb, host_bytes_available() / 2**30)
+    if weights >= room:
+        raise ValueError(
+            f"--shape {shape}: its weights take {weights:.1f} GiB, more than the "
+            f"{room:.1f} GiB there are (--budget-gb{'' if cuda else ', and this machine'}); "
+            f"give a smaller shape or a larger budget"
+        )
 
 
 def positive_ints(text):

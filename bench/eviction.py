@@ -74,6 +74,13 @@ def bench_eviction(checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, windows=8, T=10
 
     model, tok = checkpoint.load(checkpoint_dir, "cpu", torch.float32)
     cfg = model.cfg
+    if T <= cfg.k * cfg.B:  # windows with a sparse part (a released model's k·B is 4096)
+        T = min(2 * cfg.k * cfg.B, cfg.max_seq_len)
+    if T <= cfg.k * cfg.B:
+        raise ValueError(
+            f"bench eviction: {checkpoint_dir} selects k·B = {cfg.k * cfg.B} tokens and reads "
+            f"at most {cfg.max_seq_len}: no window is sparse"
+        )
     val = [
         i for name, text in corpus.documents() if corpus.is_val(name) for i in tok.encode(text).ids
     ]

@@ -4,6 +4,7 @@ random checkpoint written here in exactly that layout: sharded safetensors with 
 import json
 import os
 import re
+import shutil
 
 import pytest
 import torch
@@ -302,20 +303,27 @@ def test_out_through_a_link_into_the_embedded_models_is_refused(tmp_path):
 
 
 def test_a_save_recovers_what_a_killed_save_left(tmp_path, capsys):
-    """A save killed after its second rename leaves DIR (the new one) and DIR.old (the one before):
-    the next save removes DIR.old and says so in one line; killed after its first, only DIR.old:
-    it is put back at DIR, said in one line too."""
+    """Killed between its renames, a save leaves the previous checkpoint at .DIR.replaced: load
+    reads it there and moves nothing; the next save puts it back first, said in one line. Killed
+    after them, it leaves DIR and .DIR.replaced: the next save removes the latter; killed while
+    writing, .DIR.saving: removed too."""
     model = Transformer(Config.from_preset("tiny", n_layer=1, dim=32, hidden_dim=64))
     tok = checkpoint.byte_tokenizer()
     path = str(tmp_path / "run")
+    tmp, old = checkpoint.staging(path)
     checkpoint.save(model, tok, path)
-    os.rename(path, path + ".old")  # killed between the renames
-    assert checkpoint.is_checkpoint(path) and not os.path.exists(path + ".old")
+    os.rename(path, old)  # killed between the renames
+    assert checkpoint.is_checkpoint(path) and checkpoint.load(path)
+    assert os.path.isdir(old) and not os.path.exists(path)  # loading moved nothing
+    checkpoint.save(model, tok, path)
     assert "the checkpoint a killed save had moved aside" in capsys.readouterr().err
-    checkpoint.save(model, tok, path + ".old")  # killed after the second rename: both are there
+    assert not os.path.exists(old) and checkpoint.load(path)
+    shutil.copytree(path, old)  # killed after the second rename: both are there
+    shutil.copytree(path, tmp)  # and another killed while writing
     checkpoint.save(model, tok, path)
     err = capsys.readouterr().err
-    assert not os.path.exists(path + ".old") and err.count("\n") == 1 and "removed" in err
+    assert err.count("\n") == 2 and "removed" in err
+    assert not os.path.exists(old) and not os.path.exists(tmp)
     checkpoint.load(path)
 
 
@@ -342,7 +350,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_checkpoint(tmp_path
     assert "\n" not in str(e.value) and "StorageFull" in str(e.value) and "intact" in str(e.value)
     after = checkpoint.load(path)[0].state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
-    assert not os.path.exists(path + ".tmp")
+    assert not os.path.exists(checkpoint.staging(path)[0])
 
 
 @pytest.mark.parametrize(

@@ -274,7 +274,8 @@ def test_prefill_and_decode_stay_within_the_memory_model():
 
 def test_same_behaviour_from_any_directory(tmp_path, monkeypatch, capsys):
     """A relative --checkpoint is the working directory's where it exists there, else the
-    repository's (where train.py writes out/); an unwritable --profile fails before any work."""
+    repository's (where train.py writes out/); an unwritable --profile (under a file) fails
+    before any work."""
     monkeypatch.chdir(tmp_path)
     out = generate.main(
         checkpoint=os.path.join("checkpoints", "tiny-nosa"),
@@ -284,9 +285,10 @@ def test_same_behaviour_from_any_directory(tmp_path, monkeypatch, capsys):
     )
     assert len(out[0]) == 3
     with pytest.raises(SystemExit):
-        generate.cli(["--device", "cpu", "--profile", str(tmp_path / "no" / "dir" / "t.json")])
+        (tmp_path / "a-file").write_text("x")
+        generate.cli(["--device", "cpu", "--profile", str(tmp_path / "a-file" / "t.json")])
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "--profile" in err and "cannot write it" in err
+    assert err.count("\n") == 1 and "--profile" in err and "cannot write in" in err
 
 
 def test_a_random_model_too_large_for_the_machine_is_one_line(monkeypatch, capsys):

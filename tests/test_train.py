@@ -222,8 +222,8 @@ def test_a_kill_during_a_save_leaves_a_whole_checkpoint(corpus, tmp_path, where)
         timeout=300,
     )
     assert r.returncode == -9, r.stderr[-2000:]
-    model, _ = checkpoint.load(out)
-    assert json.load(open(os.path.join(out, "train_state.json")))["step"] == 4
+    model, _ = checkpoint.load(out)  # (killed between the renames: read where the save left it)
+    assert json.load(open(os.path.join(checkpoint.located(out), "train_state.json")))["step"] == 4
     at4, _ = train.main(out=str(tmp_path / "at4"), stop_at=4, **kw)
     for (n, a), (_, b) in zip(at4.state_dict().items(), model.state_dict().items()):
         assert torch.equal(a, b), n  # the weights are step 4's, like the state beside them
