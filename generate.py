@@ -119,6 +119,8 @@ class Options:
     requests: str = None  # a file of requests: a prompt a line, or JSON lines (.jsonl)
     completions: str = None  # a JSONL file for the served requests' completions
     force: bool = False  # replace an existing completions file
+    prefill_budget: int = None  # served: prompt tokens a decode step waits for (None: by stall)
+    max_stall: float = 2.0  # served: a step beside a prefill at most this many times a step alone
     max_new_tokens: int = 300
     batch: int = None  # rows; None: one per prompt
     temperature: float = 0.8
@@ -140,7 +142,7 @@ class Options:
 
     def check(self):
         """One line for a flag out of range, before any work."""
-        for name in ("temperature", "gpu_budget", "host_budget"):
+        for name in ("temperature", "gpu_budget", "host_budget", "max_stall"):
             value = getattr(self, name)
             if value is not None and not math.isfinite(value):
                 raise ValueError(f"--{name.replace('_', '-')} {value}: give a finite number")
@@ -152,6 +154,8 @@ class Options:
             ("prompt_len", 1),
             ("chunk", 1),
             ("micro_batches", 1),
+            ("prefill_budget", 1),
+            ("max_stall", 1),
             ("gpu_budget", 1e-9),
             ("host_budget", 1e-9),
         ):
@@ -436,10 +440,12 @@ def serve_requests(o, model, tokenizer, cache, ids, news, names, chunk, on_host,
         )
 
     pick = lambda logits: sample(logits, o.temperature, o.top_k)
+    budget = serve.Budget(model.cfg.n_layer, o.prefill_budget, o.max_stall)
     t0 = time.perf_counter()
     with jsonl or contextlib.nullcontext(), profiler(o.profile, device) as prof:
         decode = fast.GraphedDecode(model, cache, micro)
-        serve.serve(model, reqs, cache, pick, model.eos_ids, chunk, on_host, decode, on_done=done)
+        args = (model.eos_ids, chunk, on_host, decode, budget)
+        serve.serve(model, reqs, cache, pick, *args, on_done=done)
     total, ttft = time.perf_counter() - t0, sorted(r.t_first for r in reqs)
     export_trace(prof, o.profile)
     n_tok = sum(len(r.out) for r in reqs)
@@ -449,6 +455,7 @@ def serve_requests(o, model, tokenizer, cache, ids, news, names, chunk, on_host,
         f"{ttft[len(ttft) // 2]:.2f} s, p90 {ttft[(9 * len(ttft)) // 10]:.2f} s, max "
         f"{ttft[-1]:.2f} s ({model.cfg.attn}, {device})"
     )
+    print(budget.summary(chunk or max(map(len, ids))))
     if o.offload:
         print(cache.stats.summary())
     if device.type == "cuda":
@@ -599,6 +606,19 @@ def cli(argv=None):
     )
     add("--completions", metavar="FILE.jsonl", help="write the served requests' completions here")
     add("--force", action="store_true", help="replace a --completions file that exists")
+    add(
+        "--prefill-budget",
+        type=int,
+        metavar="TOKENS",
+        help="served: prompt tokens (through every layer) a decode step waits for (default: as "
+        "many as keep a step within --max-stall of a step alone)",
+    )
+    add(
+        "--max-stall",
+        type=float,
+        default=2.0,
+        help="served: a decode step beside a prefill takes at most this many times a step alone",
+    )
     add(
         "--batch",
         type=int,

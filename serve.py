@@ -1,21 +1,23 @@
 """
 Continuous batching: whole requests served over the Bz rows of a decode cache (offloaded or
-resident). A row whose sequence ends (EOS, or its max_new_tokens) takes the next waiting request,
-and that request's prompt prefills a chunk at a time between the decode steps of the other rows:
-per step, `per_step` chunks of a layer each (by default a chunk's worth of the prompt through the
-whole model, as the token budget of chunked prefill in serving engines). On a GPU the prefill runs
-on a stream of its own, beside the step (which has the higher priority), and the next step waits
-for the chunks; on a CPU they run after the step. generate.py serves this way when it is given
-more requests than rows, or a file of requests.
+resident), each admitted when it has arrived and a row is free. A row whose sequence ends (EOS, or
+its max_new_tokens) takes the next waiting request, and that request's prompt prefills a chunk at
+a time between the decode steps of the other rows: per step, the chunks (of a layer each) that a
+token budget allows (`budget` prompt tokens through every layer; by default a chunk's worth of the
+prompt through the whole model), as chunked prefill's token budget in serving engines keeps the
+time between tokens bounded. On a GPU the prefill runs on a stream of its own, beside the step
+(which has the higher priority), and the next step waits for the chunks; on a CPU they run after
+the step. generate.py serves this way when it is given more requests than rows, or a file of them.
 
 One prompt prefills at a time. The memory model (memory.plan_memory) sized the cache for Bz rows of
 max_len tokens and one prefill's activations beside them, so a request is admitted when a row is
 free, no other prompt is prefilling, and its prompt and new tokens fit a row.
 
 Each turn of the loop:
-  1. admit: a free row parks (Cache.park: it waits at position 0) and the next prompt starts there
+  1. admit: a free row parks (Cache.park: it waits at position 0) and the next arrived prompt
+     starts there (with nothing running and nothing arrived, wait for the next arrival)
   2. one decode step of every row (`decode`); the parked rows' outputs are ignored
-  3. launch the prefill's next chunks (per_step); the next decode step waits for them
+  3. launch the prefill's next chunks (layer_chunks); the next decode step waits for them
   4. the step's tokens to the host: a row whose sequence ends is parked, its request done
   5. a prefill that has run to its end: its row starts (Cache.start) with the prompt's next token
 """
@@ -33,25 +35,32 @@ from prefill import prefill_chunks
 
 @dataclass
 class Request:
-    """A prompt's tokens and what serving it gave: the new tokens, and when (seconds from the start
-    of serve) its first and last tokens reached the host."""
+    """A prompt's tokens, when it arrives (seconds from the start of serve), and what serving it
+    gave: the new tokens and when each reached the host (t_first: the first's time after the
+    arrival, as time to first token is counted; t_end likewise)."""
 
     ids: list
     max_new_tokens: int
+    arrival: float = 0.0
     out: list = field(default_factory=list)
     t_first: float = None
     t_end: float = None
+    t_tokens: list = field(default_factory=list)  # each new token's time from the start
 
     def tokens_per_s(self):  # decoding speed after the first token (which came with the prefill)
         return (len(self.out) - 1) / max(self.t_end - self.t_first, 1e-9)
 
+    def gaps(self):  # the time between tokens, seconds
+        return [b - a for a, b in zip(self.t_tokens, self.t_tokens[1:])]
+
 
 class Prefill:
     """A prompt prefilling into a parked row a chunk at a time (prefill.prefill_chunks), on `stream`
-    (None: the current one)."""
+    (None: the current one). `chunk`: its tokens (the whole prompt if None)."""
 
     def __init__(self, model, req, row, cache, stream, chunk, on_host):
         self.req, self.row, self.stream, self.logits, self.ran = req, row, stream, None, None
+        self.chunk = min(chunk or len(req.ids), len(req.ids))
         cache.park(row)
         if stream is not None:  # after the park, and the steps before it
             stream.wait_stream(torch.cuda.current_stream(stream.device))
@@ -73,16 +82,59 @@ class Prefill:
         return self.logits is not None and (self.ran is None or self.ran.query())
 
 
+class Budget:
+    """How many of the prefill's chunks (of a layer each) a decode step waits for. Either a fixed
+    budget of prompt tokens per step through every layer (tokens * n_layer / chunk chunks, at least
+    one), or, by default, the most that keep a step beside the prefill within `stall` times a step
+    alone, measured as serving goes: the time of a turn of the loop (it syncs once), one chunk more
+    a turn while within, a quarter fewer when not, one chunk until a step alone was timed. With no
+    row decoding, nothing waits: a chunk through the whole model per turn."""
+
+    def __init__(self, n_layer, tokens=None, stall=2.0):
+        self.n_layer, self.tokens, self.stall = n_layer, tokens, stall
+        self.n, self.alone, self.beside, self.waited = 1, None, [], []
+
+    def chunks(self, pre, running):
+        if not running:
+            return self.n_layer
+        if self.tokens is not None:
+            return max(1, self.tokens * self.n_layer // pre.chunk)
+        return self.n
+
+    def turn(self, dt, n):
+        """A turn of dt seconds whose step waited for n chunks (0: a step alone)."""
+        if not n:
+            self.alone = dt if self.alone is None else 0.9 * self.alone + 0.1 * dt
+            return
+        self.beside.append(dt)
+        self.waited.append(n)
+        if self.tokens is None and self.alone is not None:
+            self.n = (
+                max(1, self.n - -(-self.n // 4)) if dt > self.stall * self.alone else self.n + 1
+            )
+
+    def summary(self, chunk):
+        """One line: the chunks a step waited for, and a step beside the prefill against alone."""
+        if not self.beside or self.alone is None:
+            return "prefill beside the steps: none timed"
+        n, dt = sum(self.waited) / len(self.waited), sum(self.beside) / len(self.beside)
+        how = f"{self.tokens} tokens" if self.tokens is not None else f"a stall of {self.stall}x"
+        return (
+            f"prefill beside the steps ({how}): {n:.1f} chunks of a layer a step (about "
+            f"{n * chunk / self.n_layer:.0f} prompt tokens), a step {1e3 * dt:.1f} ms against "
+            f"{1e3 * self.alone:.1f} ms alone (speed kept: {self.alone / dt:.2f})"
+        )
+
+
 @torch.no_grad()
 def serve(model, requests, cache, pick, eos_ids=(), chunk=None, on_host=False, decode=None,
-          per_step=None, on_done=None):  # fmt: skip
-    """Serve `requests` (Request) over the cache's rows, in order of arrival; returns them answered.
-    pick(logits (n, vocab)) -> (n,) tokens: the sampling. chunk, on_host: the prefill's
-    (memory.plan_memory). decode(tok (Bz,)) -> logits (Bz, vocab): the step (default model.decode;
-    the scripts give fast.GraphedDecode). per_step: the prefill's chunks (of a layer each) per
-    decode step, which waits for them (default n_layer: a chunk's worth of the prompt through the
-    whole model, as the token budget of chunked prefill in serving engines). on_done(request) as
-    each request ends."""
+          budget=None, on_done=None):  # fmt: skip
+    """Serve `requests` (Request) over the cache's rows, in order of arrival (each admitted no
+    sooner than its arrival); returns them answered. pick(logits (n, vocab)) -> (n,) tokens: the
+    sampling. chunk, on_host: the prefill's (memory.plan_memory). decode(tok (Bz,)) -> logits (Bz,
+    vocab): the step (default model.decode; the scripts give fast.GraphedDecode). budget: a Budget,
+    the prefill's chunks a decode step waits for (default: a stall of at most 2x, measured).
+    on_done(request) as each ends."""
     dev, Bz = cache.len.device, len(cache.len)
     if not all(r.ids and r.max_new_tokens >= 1 for r in requests):
         raise ValueError("every request needs a prompt of a token or more and max_new_tokens >= 1")
@@ -93,37 +145,52 @@ def serve(model, requests, cache, pick, eos_ids=(), chunk=None, on_host=False, d
             f"{cache.capacity()}: make it with a row or more and max_len={longest} or more"
         )
     cuda, eos = dev.type == "cuda", set(eos_ids)
+    budget = budget or Budget(model.cfg.n_layer)
     decode_stream = torch.cuda.Stream(dev, priority=-1) if cuda else None  # above the prefill's
     prefill_stream = torch.cuda.Stream(dev) if cuda else None
-    waiting, running, pre = deque(requests), {}, None  # running: row -> its request
+    waiting = deque(sorted(requests, key=lambda r: r.arrival))
+    running, pre = {}, None  # running: row -> its request
     with torch.cuda.stream(decode_stream):
         tok = torch.zeros(Bz, dtype=torch.long, device=dev)  # each row's last token
         for row in range(Bz):
             cache.park(row)
         decode = decode or (lambda tok: model.decode(tok, cache))
         t0 = time.perf_counter()
+        launched = 0  # chunks launched beside the last step (a step on a GPU waits for them)
 
         def end(row, req):  # the row's sequence has its last token
-            req.t_end = time.perf_counter() - t0
+            req.t_end = req.t_tokens[-1] - req.arrival
             del running[row]
             cache.park(row)
             if on_done:
                 on_done(req)
 
         while waiting or running or pre:
-            if pre is None and waiting and len(running) < Bz:  # 1. admit
-                row = min(set(range(Bz)) - set(running))
+            now = time.perf_counter() - t0
+            if not running and pre is None and waiting[0].arrival > now:  # idle: the next one
+                time.sleep(waiting[0].arrival - now)
+                now = waiting[0].arrival
+            if pre is None and waiting and waiting[0].arrival <= now and len(running) < Bz:
+                row = min(set(range(Bz)) - set(running))  # 1. admit
                 pre = Prefill(model, waiting.popleft(), row, cache, prefill_stream, chunk, on_host)
             if running:  # 2. a decode step
+                t_turn = time.perf_counter()
                 nxt = pick(decode(tok))
-            if pre and (ran := pre.launch(per_step or model.cfg.n_layer)):  # 3. its next chunks
-                decode_stream.wait_event(ran)  # the next step after them
+            n = 0
+            if pre:  # 3. the prefill's next chunks
+                n = budget.chunks(pre, running)
+                if ran := pre.launch(n):
+                    decode_stream.wait_event(ran)  # the next step after them
             if running:  # 4. the step's tokens
                 tok, new = nxt, nxt.tolist()
+                t = time.perf_counter() - t0  # the step waited for chunks (a CPU's ran after it)
+                budget.turn(t0 + t - t_turn, launched if cuda else n)
                 for row, req in list(running.items()):
                     req.out.append(new[row])
+                    req.t_tokens.append(t)
                     if new[row] in eos or len(req.out) == req.max_new_tokens:
                         end(row, req)
+            launched = n
             if pre and pre.done():  # 5. a row starts
                 cache.start(pre.row)
                 if cuda:
@@ -131,7 +198,8 @@ def serve(model, requests, cache, pick, eos_ids=(), chunk=None, on_host=False, d
                 first = pick(pre.logits[None])
                 tok[pre.row] = first[0]
                 req, running[pre.row] = pre.req, pre.req
-                req.out, req.t_first = first.tolist(), time.perf_counter() - t0
+                req.out, req.t_tokens = first.tolist(), [time.perf_counter() - t0]
+                req.t_first = req.t_tokens[0] - req.arrival
                 if req.out[0] in eos or req.max_new_tokens == 1:
                     end(pre.row, req)
                 pre = None

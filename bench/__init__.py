@@ -11,6 +11,8 @@ Benchmarks, run on the GPU machine; every figure is a ratio against a limit meas
     python -m bench throughput --trained --prompt-len 8192                     # the same, trained tiny models
     python -m bench requests --shape 8b --prompt-len 131072 --budget-gb 24    # whole requests: prefill + decode
     python -m bench requests --served --shape 8b --prompt-len 131072          # the same, served (serve.py)
+    python -m bench requests --served --rate 0.05,0.1 --prompt-lens 65536:131072   # arriving over time
+    python -m bench pretrained --checkpoint out/smollm2-135m   # an imported model and the recipe's runs
     python -m bench recall --ckpts out/                 # long-range recall (tasks.py) of the tiny models, by distance
     python -m bench head [--checkpoint DIR]             # can the eviction head alone learn to keep a fact? (CPU)
     python -m bench plot                                # BENCHMARKS.md's figures from bench/results/*.json

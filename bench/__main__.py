@@ -14,7 +14,7 @@ import torch  # noqa: E402
 
 import checkpoint  # noqa: E402
 import common  # noqa: E402
-from bench import eviction, gather, kernels, plot, pretrained, quality, recall
+from bench import arrivals, eviction, gather, kernels, plot, pretrained, quality, recall
 from bench import requests as requests_
 from bench import throughput as throughput_
 
@@ -34,8 +34,17 @@ def main(
     **throughput,
 ):
     check(what, json_path, systems, dict(throughput, cases=cases, gen_len=gen_len, trained=trained))
-    if what == "pretrained":  # several tables
-        tables = pretrained.bench_pretrained(checkpoint_dir, corpus=corpus, recall_n=cases)
+    if what == "pretrained" or throughput.get("rates"):  # several tables
+        if what == "pretrained":
+            tables = pretrained.bench_pretrained(checkpoint_dir, corpus=corpus, recall_n=cases)
+        else:  # requests --served --rate: arriving over time
+            keys = ("shape", "budget_gb", "host_gb", "requests", "rates", "prompt_lens")
+            kw = {k: throughput[k] for k in keys} | dict(
+                systems=systems or ("nosa-offload", "full")
+            )
+            for k in ("new_lens", "lengths", "tbt_target", "ttft_target"):
+                kw[k.replace("new_lens", "new_tokens")] = throughput[k]
+            tables = arrivals.bench_arrivals(**kw)
         for name, rows in tables.items():
             print(f"\n# {name}")
             print_table(rows)
@@ -54,6 +63,8 @@ def main(
     elif what == "plot":
         rows = plot.main()
     elif what == "requests":
+        for k in ("rates", "prompt_lens", "new_lens", "lengths", "tbt_target", "ttft_target"):
+            throughput.pop(k)
         served = throughput.pop("served")
         systems = systems or ("nosa-offload", "full") + ((), ("infllmv2-offload",))[not served]
         bench = requests_.bench_served if served else requests_.bench_requests
@@ -174,6 +185,29 @@ def check_weights(shape, budget_gb, cuda):
         )
 
 
+def positive_floats(text):
+    """An argparse type: '0.05,0.1' -> (0.05, 0.1)."""
+    try:
+        values = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or not all(math.isfinite(v) and v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive numbers separated by commas")
+    return values
+
+
+def length_range(text):
+    """An argparse type: '8192:131072' -> (8192, 131072)."""
+    lo, _, hi = text.partition(":")
+    try:
+        r = (int(lo), int(hi or lo))
+    except ValueError:
+        r = (0, 0)
+    if not 1 <= r[0] <= r[1]:
+        raise argparse.ArgumentTypeError(f"{text!r}: give LO:HI, whole numbers, 1 <= LO <= HI")
+    return r
+
+
 def positive_ints(text):
     """An argparse type: '128,256' -> (128, 256)."""
     try:
@@ -278,6 +312,32 @@ def cli(argv=None):
         "--cases", type=int, default=200, help="recall, pretrained: tasks per distance or length"
     )
     p.add_argument(
+        "--rate",
+        type=positive_floats,
+        dest="rates",
+        help="requests --served: requests arriving at these rates a second (Poisson, seeded), "
+        "one run each, e.g. 0.05,0.1,0.2",
+    )
+    p.add_argument(
+        "--prompt-lens",
+        type=length_range,
+        default=(65536, 131072),
+        help="requests --served --rate: prompt lengths drawn from LO:HI",
+    )
+    p.add_argument(
+        "--new-lens",
+        type=length_range,
+        default=(256, 4096),
+        help="requests --served --rate: new tokens drawn from LO:HI",
+    )
+    p.add_argument(
+        "--lengths",
+        metavar="FILE.jsonl",
+        help='requests --served --rate: lengths from lines {"prompt_len": P, "new_tokens": G}',
+    )
+    p.add_argument("--tbt-target", type=float, default=0.2, help="--rate: p99 time between tokens")
+    p.add_argument("--ttft-target", type=float, default=30.0, help="--rate: median first token")
+    p.add_argument(
         "--distances",
         type=positive_ints,
         help="recall: the distance bins in tokens, e.g. 128,256,512 (default: 128 ... 4000)",
@@ -300,6 +360,10 @@ def cli(argv=None):
         kw.update(batch_limit=a.max_batch, trained=a.trained, micro_batches=a.micro_batches)
     if a.what == "requests":
         kw.update(requests=a.requests, new_tokens=a.new_tokens, served=a.served)
+        if a.rates and not a.served:
+            p.error("--rate serves requests as they arrive: give --served with it")
+        kw.update(rates=a.rates, prompt_lens=a.prompt_lens, new_lens=a.new_lens, lengths=a.lengths)
+        kw.update(tbt_target=a.tbt_target, ttft_target=a.ttft_target)
     return common.run_cli(
         main,
         a.what,

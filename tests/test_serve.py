@@ -198,3 +198,69 @@ def test_requests_that_cannot_be_served_are_one_line(embedded):
         serve.serve(model, [serve.Request([], 4)], cache, argmax)
     with pytest.raises(ValueError, match="needs 70 tokens .* max_len=70 or more"):
         serve.serve(model, [serve.Request([1] * 60, 10)], cache, argmax)
+
+
+def test_requests_arriving_over_time(embedded):
+    """Requests that arrive apart: none is admitted before its arrival (its first token comes
+    after it), time to first token counts from the arrival, an idle server waits for the next, and
+    each gets the tokens it gets alone."""
+    model, text = embedded
+    ids, news = prompts(text, [200, 40, 300]), [6, 9, 4]
+    alone = [generate.generate(model, [p], n)[0] for p, n in zip(ids, news)]
+    arrivals = [0.3, 0.0, 1.5]  # the last comes when the others are done: the server idles
+    reqs = [serve.Request(p, n, arrival=a) for p, n, a in zip(ids, news, arrivals)]
+    cache = KVCache(model.cfg, 2, "cpu", torch.float32, 320)
+    serve.serve(model, reqs, cache, lambda x: x.argmax(-1))
+    assert [r.out for r in reqs] == alone
+    for r in reqs:
+        assert r.t_tokens[0] >= r.arrival and r.t_first == r.t_tokens[0] - r.arrival
+        assert len(r.gaps()) == len(r.out) - 1 and min(r.gaps()) >= 0
+    assert reqs[2].t_tokens[0] >= 1.5 > max(reqs[0].t_tokens[-1], reqs[1].t_tokens[-1])
+
+
+def test_a_fixed_token_budget_sets_the_chunks_a_step_waits_for(embedded):
+    """--prefill-budget TOKENS: a step beside the prefill waits for TOKENS * n_layer / chunk
+    chunks of a layer (at least one), counted; served tokens stay those alone."""
+    model, text = embedded
+    ids, news = prompts(text, [30, 400, 250]), [60, 8, 8]
+    alone = [generate.generate(model, [p], n)[0] for p, n in zip(ids, news)]
+    reqs = [serve.Request(p, n) for p, n in zip(ids, news)]
+    cache = KVCache(model.cfg, 2, "cpu", torch.float32, 420)
+    budget = serve.Budget(model.cfg.n_layer, tokens=32)
+    serve.serve(model, reqs, cache, lambda x: x.argmax(-1), chunk=64, budget=budget)
+    assert [r.out for r in reqs] == alone
+    assert set(budget.waited) == {32 * model.cfg.n_layer // 64}  # 2 of the 4 layers a step
+    assert "2.0 chunks of a layer a step (about 32 prompt tokens)" in budget.summary(64)
+
+
+def test_the_stall_budget_grows_within_the_stall_and_shrinks_beyond():
+    b = serve.Budget(n_layer=32, stall=2.0)
+    b.turn(0.010, 0)  # a step alone: 10 ms
+    for _ in range(5):
+        b.turn(0.015, b.n)  # within 2x: one chunk more each turn
+    assert b.n == 6
+    b.turn(0.030, b.n)  # beyond: a quarter fewer, rounded up
+    assert b.n == 4
+    assert b.chunks(None, running={}) == 32  # nothing decoding: nothing waits
+    assert serve.Budget(32).chunks(None, running={0: None}) == 1  # until a step alone is timed
+
+
+def test_arriving_workload_and_its_bench_small():
+    """bench requests --served --rate: the same requests for one seed at every rate (the gaps scale
+    as 1/rate), lengths within their ranges; every system served at each rate, percentiles in
+    order, a capacity per system."""
+    from bench.arrivals import bench_arrivals, workload
+
+    a = workload(5, 1.0, (10, 20), (3, 4), 97, seed=3)
+    b = workload(5, 4.0, (10, 20), (3, 4), 97, seed=3)
+    assert [r.ids for r in a] == [r.ids for r in b] and a[0].arrival == 0.0
+    assert all(abs(x.arrival - 4 * y.arrival) < 1e-9 for x, y in zip(a, b))
+    assert all(10 <= len(r.ids) <= 20 and 3 <= r.max_new_tokens <= 4 for r in a)
+    tables = bench_arrivals(shape="tiny", rates=(50.0,), prompt_lens=(40, 120), new_tokens=(4, 8),
+                            requests=4, budget_gb=1.0)  # fmt: skip
+    assert [r["system"] for r in tables["runs"]] == ["nosa + offload", "full, resident cache"]
+    for r in tables["runs"]:
+        assert r["batch"] >= 1 and r["output_tokens_s"] > 0
+        assert r["ttft_median_s"] <= r["ttft_p90_s"] <= r["ttft_p99_s"] <= r["ttft_max_s"]
+        assert r["tbt_median_s"] <= r["tbt_p90_s"] <= r["tbt_p99_s"] <= r["tbt_max_s"]
+    assert {c["system"] for c in tables["capacity"]} == {"nosa + offload", "full, resident cache"}
