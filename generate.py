@@ -184,8 +184,8 @@ def main(**flags):
     requests = []  # the file read and checked before the model is loaded
     if o.requests:
         requests = serve.parse_requests(read_prompt(o.requests, "--requests"), o.requests)
-    n = len([o.prompt] if isinstance(o.prompt, str) else o.prompt or [None]) + len(requests)
-    if o.completions and not (o.requests or o.batch and o.batch < n):
+    n_prompts = 1 if isinstance(o.prompt, str) else max(len(o.prompt or []), 1)  # or prompt.txt
+    if o.completions and not (o.requests or o.batch and o.batch < n_prompts):
         raise ValueError(
             "--completions holds served requests' completions: give --requests FILE, or more "
             "prompts than --batch"

@@ -161,7 +161,7 @@ def bench_pretrained(
     starts = np.linspace(0, len(val) - T - 2, windows).astype(int)
     x = torch.tensor(np.stack([val[s : s + T + 1] for s in starts]), device=dev)
     starts = np.linspace(0, len(val) - prompt_len - 2, prompts).astype(int) + T // 3
-    starts = starts % (len(val) - prompt_len - 1)
+    starts = starts % (len(val) - prompt_len - 1)  # (not where the loss windows start)
     prompt_ids = [val[s : s + prompt_len].tolist() for s in starts]
     cases = None
     loss, offload, recall, where = [], [], [], []
