@@ -455,7 +455,7 @@ def serve_requests(o, model, tokenizer, cache, ids, news, names, chunk, on_host,
         f"{ttft[len(ttft) // 2]:.2f} s, p90 {ttft[(9 * len(ttft)) // 10]:.2f} s, max "
         f"{ttft[-1]:.2f} s ({model.cfg.attn}, {device})"
     )
-    print(budget.summary(chunk or max(map(len, ids))))
+    print(budget.summary())
     if o.offload:
         print(cache.stats.summary())
     if device.type == "cuda":

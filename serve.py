@@ -3,8 +3,9 @@ Continuous batching: whole requests served over the Bz rows of a decode cache (o
 resident), each admitted when it has arrived and a row is free. A row whose sequence ends (EOS, or
 its max_new_tokens) takes the next waiting request, and that request's prompt prefills a chunk at
 a time between the decode steps of the other rows: per step, the chunks (of a layer each) that a
-token budget allows (`budget` prompt tokens through every layer; by default a chunk's worth of the
-prompt through the whole model), as chunked prefill's token budget in serving engines keeps the
+token budget allows (Budget: a fixed number of prompt tokens through every layer, or by default as
+many as keep a step within twice a step alone, the chunk shortened where one is too many), as
+chunked prefill's token budget in serving engines keeps the
 time between tokens bounded. On a GPU the prefill runs on a stream of its own, beside the step
 (which has the higher priority), and the next step waits for the chunks; on a CPU they run after
 the step. generate.py serves this way when it is given more requests than rows, or a file of them.
@@ -83,16 +84,25 @@ class Prefill:
 
 
 class Budget:
-    """How many of the prefill's chunks (of a layer each) a decode step waits for. Either a fixed
-    budget of prompt tokens per step through every layer (tokens * n_layer / chunk chunks, at least
-    one), or, by default, the most that keep a step beside the prefill within `stall` times a step
-    alone, measured as serving goes: the time of a turn of the loop (it syncs once), one chunk more
-    a turn while within, a quarter fewer when not, one chunk until a step alone was timed. With no
-    row decoding, nothing waits: a chunk through the whole model per turn."""
+    """How many of the prefill's chunks (of a layer each) a decode step waits for, and how long a
+    chunk is. Either a fixed budget of prompt tokens per step through every layer (tokens * n_layer
+    / chunk chunks, at least one), or, by default, the most that keep a step beside the prefill
+    within `stall` times a step alone, measured as serving goes: the time of a turn of the loop (it
+    syncs once), one chunk more a turn while within, a quarter fewer when not, one chunk until a
+    step alone was timed. Where even one chunk stalls a step more than that for most of a prompt,
+    the next prompt's chunk is half as long (the planned chunk, halved, not below `least` tokens);
+    where a step takes four, twice as long again. With no row decoding, nothing waits: a chunk
+    through the whole model per turn."""
 
-    def __init__(self, n_layer, tokens=None, stall=2.0):
-        self.n_layer, self.tokens, self.stall = n_layer, tokens, stall
+    def __init__(self, n_layer, tokens=None, stall=2.0, least=512):
+        self.n_layer, self.tokens, self.stall, self.least = n_layer, tokens, stall, least
         self.n, self.alone, self.beside, self.waited = 1, None, [], []
+        self.halved, self.c, self.over, self.prompt_tokens = 0, None, [], []
+
+    def chunk(self, planned):
+        """The next prompt's chunk in tokens: `planned` (memory.plan_memory's), halved so often."""
+        self.c = max(min(self.least, planned), planned >> self.halved)
+        return self.c
 
     def chunks(self, pre, running):
         if not running:
@@ -108,20 +118,40 @@ class Budget:
             return
         self.beside.append(dt)
         self.waited.append(n)
+        self.prompt_tokens.append(n * (self.c or 0) / self.n_layer)
         if self.tokens is None and self.alone is not None:
-            self.n = (
-                max(1, self.n - -(-self.n // 4)) if dt > self.stall * self.alone else self.n + 1
-            )
+            over = dt > self.stall * self.alone
+            self.n = max(1, self.n - -(-self.n // 4)) if over else self.n + 1
+            if n == 1:
+                self.over.append(over)
 
-    def summary(self, chunk):
-        """One line: the chunks a step waited for, and a step beside the prefill against alone."""
+    def ended(self):
+        """A prompt has prefilled: the next one's chunk halves where one chunk stalled most of its
+        steps, and doubles where the steps took four."""
+        if self.tokens is None and self.over and 2 * sum(self.over) > len(self.over):
+            self.halved += 1
+            self.n = 1
+        elif self.tokens is None and self.halved and self.n >= 4:
+            self.halved -= 1
+            self.n //= 2
+        self.over = []
+
+    def kept(self):
+        """(step alone, step beside the prefill) in seconds, averaged, or None before both ran."""
         if not self.beside or self.alone is None:
+            return None
+        return self.alone, sum(self.beside) / len(self.beside)
+
+    def summary(self):
+        """One line: the chunks a step waited for, and a step beside the prefill against alone."""
+        if self.kept() is None:
             return "prefill beside the steps: none timed"
-        n, dt = sum(self.waited) / len(self.waited), sum(self.beside) / len(self.beside)
+        n, dt = sum(self.waited) / len(self.waited), self.kept()[1]
+        tokens = sum(self.prompt_tokens) / len(self.prompt_tokens)
         how = f"{self.tokens} tokens" if self.tokens is not None else f"a stall of {self.stall}x"
         return (
             f"prefill beside the steps ({how}): {n:.1f} chunks of a layer a step (about "
-            f"{n * chunk / self.n_layer:.0f} prompt tokens), a step {1e3 * dt:.1f} ms against "
+            f"{tokens:.0f} prompt tokens; last chunk {self.c}), a step {1e3 * dt:.1f} ms against "
             f"{1e3 * self.alone:.1f} ms alone (speed kept: {self.alone / dt:.2f})"
         )
 
@@ -172,7 +202,9 @@ def serve(model, requests, cache, pick, eos_ids=(), chunk=None, on_host=False, d
                 now = waiting[0].arrival
             if pre is None and waiting and waiting[0].arrival <= now and len(running) < Bz:
                 row = min(set(range(Bz)) - set(running))  # 1. admit
-                pre = Prefill(model, waiting.popleft(), row, cache, prefill_stream, chunk, on_host)
+                req = waiting.popleft()
+                c = budget.chunk(chunk or len(req.ids))
+                pre = Prefill(model, req, row, cache, prefill_stream, c, on_host)
             if running:  # 2. a decode step
                 t_turn = time.perf_counter()
                 nxt = pick(decode(tok))
@@ -192,6 +224,7 @@ def serve(model, requests, cache, pick, eos_ids=(), chunk=None, on_host=False, d
                         end(row, req)
             launched = n
             if pre and pre.done():  # 5. a row starts
+                budget.ended()
                 cache.start(pre.row)
                 if cuda:
                     pre.logits.record_stream(decode_stream)

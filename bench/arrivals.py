@@ -2,9 +2,11 @@
 Sarathi-Serve): arrivals of a Poisson process at a rate (seeded), prompt and output lengths drawn
 from ranges (or read from a JSONL file of them), served by continuous batching (serve.py) under its
 token budget, every system through the same loop at its largest batch, random weights. Per system
-and rate: time to first token and time between tokens (median, p90, p99, max), output tokens/s, the
-GPU and host peaks; over the rates, each system's capacity: the largest rate whose p99 time between
-tokens and median time to first token stay within the targets."""
+and rate: time to first token and time between tokens (median, p90, p99, max), output tokens/s, a
+decode step alone and beside a prefill (the speed it keeps), the GPU and host peaks. Each system's
+capacity: the largest rate whose p99 time between tokens and median time to first token stay
+within the targets; the rates run in ascending order, and a system's sweep stops at its first miss
+(a higher rate only queues longer)."""
 
 import resource
 import statistics
@@ -108,10 +110,15 @@ def bench_arrivals(
         cache = new_cache(cfg, Bz, dev, dtype, max_len, host, use_offload)
         decode = GraphedDecode(model, cache, 2 if use_offload and Bz >= 16 else 1)
         pick = lambda logits: logits.argmax(-1)
-        warm = [serve.Request(list(range(1, 65)), 4)]  # compiles what the timed runs launch
+        c = chunk or 64  # compiles what the timed runs launch: chunks whole and ragged (dynamic)
+        warm = [
+            serve.Request(list(range(1, n + 1)), 4)
+            for n in (64, c + 37, c // 2 + 5)
+            if n + 4 <= max_len
+        ]
         serve.serve(model, warm, cache, pick, (), chunk, on_host, decode)
         within = []
-        for rate in rates:
+        for rate in sorted(rates):
             reqs = workload(requests, rate, prompt_lens, new_tokens, cfg.vocab_size, seed, lengths)
             step_budget = serve.Budget(cfg.n_layer, stall=max_stall)
             if cuda:
@@ -125,6 +132,9 @@ def bench_arrivals(
             row.update({f"ttft_{k}_s": v for k, v in zip(("median", "p90", "p99", "max"), ttft)})
             row.update({f"tbt_{k}_s": v for k, v in zip(("median", "p90", "p99", "max"), tbt)})
             row["output_tokens_s"] = round(sum(len(r.out) for r in reqs) / total, 1)
+            alone, beside = step_budget.kept() or (float("nan"),) * 2
+            row.update(step_alone_ms=round(1e3 * alone, 2), step_beside_ms=round(1e3 * beside, 2))
+            row["speed_kept"] = round(alone / beside, 3)
             row["total_s"] = seconds(total)
             row["gpu_peak_gb"] = (
                 round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None
@@ -134,8 +144,9 @@ def bench_arrivals(
             )
             rows.append(row)
             print(row, flush=True)
-            if tbt[2] <= tbt_target and ttft[0] <= ttft_target:
-                within.append(rate)
+            if tbt[2] > tbt_target or ttft[0] > ttft_target:
+                break  # a higher rate only waits longer: the sweep stops at the first miss
+            within.append(rate)
         capacity.append(
             dict(
                 system=label,

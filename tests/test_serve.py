@@ -230,7 +230,9 @@ def test_a_fixed_token_budget_sets_the_chunks_a_step_waits_for(embedded):
     serve.serve(model, reqs, cache, lambda x: x.argmax(-1), chunk=64, budget=budget)
     assert [r.out for r in reqs] == alone
     assert set(budget.waited) == {32 * model.cfg.n_layer // 64}  # 2 of the 4 layers a step
-    assert "2.0 chunks of a layer a step (about 32 prompt tokens)" in budget.summary(64)
+    assert (
+        "2.0 chunks of a layer a step (about 32 prompt tokens; last chunk 64)" in budget.summary()
+    )
 
 
 def test_the_stall_budget_grows_within_the_stall_and_shrinks_beyond():
@@ -243,6 +245,31 @@ def test_the_stall_budget_grows_within_the_stall_and_shrinks_beyond():
     assert b.n == 4
     assert b.chunks(None, running={}) == 32  # nothing decoding: nothing waits
     assert serve.Budget(32).chunks(None, running={0: None}) == 1  # until a step alone is timed
+
+
+def test_the_stall_budget_halves_the_chunk_where_one_chunk_stalls_and_doubles_it_back():
+    b = serve.Budget(n_layer=32, stall=2.0, least=1024)
+    assert b.chunk(8192) == 8192
+    b.turn(0.010, 0)
+    for dt in (0.025, 0.030, 0.015, 0.026):  # one chunk, over 2x in 3 turns of 4
+        b.turn(dt, 1)
+        b.n = 1
+    b.ended()
+    assert (b.chunk(8192), b.n) == (4096, 1)
+    for _ in range(2):  # the next prompt: within, one chunk more each turn, three at its end
+        b.turn(0.012, b.n)
+    b.ended()
+    assert b.chunk(8192) == 4096 and b.n == 3
+    b.turn(0.012, b.n)
+    b.ended()  # the steps took four: twice as long again
+    assert (b.chunk(8192), b.n) == (8192, 2)
+    b.halved = 5
+    assert b.chunk(8192) == 1024 and b.chunk(600) == 600  # not below `least`, nor above the plan
+    fixed = serve.Budget(32, tokens=64)
+    fixed.turn(0.010, 0)
+    fixed.turn(0.050, 1)
+    fixed.ended()
+    assert fixed.chunk(8192) == 8192  # a fixed budget keeps the planned chunk
 
 
 def test_arriving_workload_and_its_bench_small():
