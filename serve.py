@@ -88,8 +88,9 @@ class Budget:
     chunk is. Either a fixed budget of prompt tokens per step through every layer (tokens * n_layer
     / chunk chunks, at least one), or, by default, the most that keep a step beside the prefill
     within `stall` times a step alone, measured as serving goes: the time of a turn of the loop (it
-    syncs once), one chunk more a turn while within, a quarter fewer when not, one chunk until a
-    step alone was timed. Where even one chunk stalls a step more than that for most of a prompt,
+    syncs once), one chunk more a turn while within, a quarter fewer when not. A step alone is
+    timed first and every RETIME turns after (no chunk beside it), so that prompts arriving one
+    after another cannot hold the budget at its start. Where even one chunk stalls a step more than that for most of a prompt,
     the next prompt's chunk is half as long (the planned chunk, halved, not below `least` tokens);
     where a step takes four, twice as long again. With no row decoding, nothing waits: a chunk
     through the whole model per turn."""
@@ -98,6 +99,9 @@ class Budget:
         self.n_layer, self.tokens, self.stall, self.least = n_layer, tokens, stall, least
         self.n, self.alone, self.beside, self.waited = 1, None, [], []
         self.halved, self.c, self.over, self.prompt_tokens = 0, None, [], []
+        self.since_alone = 0  # turns since a step ran alone
+
+    RETIME = 200  # a step alone at least every RETIME turns: its time grows with the context
 
     def chunk(self, planned):
         """The next prompt's chunk in tokens: `planned` (memory.plan_memory's), halved so often."""
@@ -107,6 +111,8 @@ class Budget:
     def chunks(self, pre, running):
         if not running:
             return self.n_layer
+        if self.alone is None or self.since_alone >= self.RETIME:
+            return 0  # the next step runs alone, and is timed (prompts may queue without end)
         if self.tokens is not None:
             return max(1, self.tokens * self.n_layer // pre.chunk)
         return self.n
@@ -115,7 +121,9 @@ class Budget:
         """A turn of dt seconds whose step waited for n chunks (0: a step alone)."""
         if not n:
             self.alone = dt if self.alone is None else 0.9 * self.alone + 0.1 * dt
+            self.since_alone = 0
             return
+        self.since_alone += 1
         self.beside.append(dt)
         self.waited.append(n)
         self.prompt_tokens.append(n * (self.c or 0) / self.n_layer)

@@ -244,7 +244,22 @@ def test_the_stall_budget_grows_within_the_stall_and_shrinks_beyond():
     b.turn(0.030, b.n)  # beyond: a quarter fewer, rounded up
     assert b.n == 4
     assert b.chunks(None, running={}) == 32  # nothing decoding: nothing waits
-    assert serve.Budget(32).chunks(None, running={0: None}) == 1  # until a step alone is timed
+    fresh = serve.Budget(32)
+    assert fresh.chunks(None, running={0: None}) == 0  # a step alone is timed first
+
+
+def test_the_stall_budget_times_a_step_alone_while_prompts_queue_without_end():
+    """Prompts prefilling back to back (as when they arrive faster than they prefill) leave no
+    step alone by chance: the budget makes one, first and every RETIME turns, and grows between."""
+    b, pre, running = serve.Budget(n_layer=32, stall=2.0), None, {0: None}
+    waited = []
+    for _ in range(2 * serve.Budget.RETIME + 10):
+        n = b.chunks(pre, running)
+        b.turn(0.010 if n == 0 else 0.010 + 0.0005 * n, n)  # half a ms a chunk beside the step
+        waited.append(n)
+    assert waited[0] == 0 and b.alone == pytest.approx(0.010)
+    assert waited.count(0) == 3  # the first turn, then every RETIME turns
+    assert max(waited) > 15  # within 2x the step takes up to 20 chunks: the budget grew to it
 
 
 def test_the_stall_budget_halves_the_chunk_where_one_chunk_stalls_and_doubles_it_back():
