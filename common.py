@@ -44,10 +44,7 @@ def use_kernels(x, cfg=None):
         return False
     if cfg is None:
         return True
-    r, p = (
-        cfg.B // cfg.s_c,
-        (cfg.l_c - 1) // cfg.s_c,
-    )  # sub-blocks of a block, and of the one before
+    r, p = cfg.r, cfg.p  # sub-blocks of a block, and of the one before
     return pow2(cfg.head_dim, 16) and pow2(cfg.B, 16) and pow2(r) and p <= r
 
 

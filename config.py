@@ -143,6 +143,24 @@ class Config:
     def n_core(self):  # picks by E beyond F(t): the core (nosa: k_e - n_sink - n_win)
         return self.k - self.n_forced - self.k_q_free
 
+    @property
+    def r(self):  # sub-blocks that start in a block (pooling.py)
+        return self.B // self.s_c
+
+    @property
+    def p(self):  # sub-blocks of the block before that overlap a block
+        return (self.l_c - 1) // self.s_c
+
+    @property
+    def n_list(self):  # length of the E-list a decode step keeps per row: n_core + k_q - 1 (nosa)
+        return self.n_core + self.k_q_free if self.eviction_head and self.n_core > 0 else 0
+
+    def n_subblocks(self, T):  # M: the sub-blocks complete after T tokens
+        return 0 if T < self.l_c else (T - self.l_c) // self.s_c + 1
+
+    def n_blocks(self, T):  # nb: the (possibly partial) KV blocks T tokens occupy
+        return -(-T // self.B)
+
     @classmethod
     def from_preset(cls, name, **overrides):
         if name not in PRESETS:

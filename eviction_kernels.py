@@ -81,7 +81,7 @@ def block_lists(c_sub, first, last, cfg, carry):
     """eviction.block_lists (same arguments and result)."""
     ids, E, b0 = carry
     Bz, H_kv, n = ids.shape
-    r, p = cfg.B // cfg.s_c, (cfg.l_c - 1) // cfg.s_c
+    r, p = cfg.r, cfg.p
     lists = torch.empty(Bz, H_kv, last - first + 1, n, dtype=ids.dtype, device=ids.device)
     out = torch.empty_like(ids), torch.empty_like(E)
     _block_lists_kernel[(Bz * H_kv,)](
@@ -142,7 +142,7 @@ def _join_leaver_kernel(
 def join_leaver(core_ids, core_E, c_sub, pos, cfg):
     """eviction.join_leaver (same arguments), one program per row."""
     Bz, H_kv, n = core_ids.shape
-    r, p = cfg.B // cfg.s_c, (cfg.l_c - 1) // cfg.s_c
+    r, p = cfg.r, cfg.p
     _join_leaver_kernel[(Bz * H_kv,)](
         core_ids,
         core_E,

@@ -1,6 +1,8 @@
 """
-KV caches for step-by-step decoding: the contract a decode step talks to (Cache), the pooled state
-selection reads (SubBlockCache), and the cache kept whole on the GPU (KVCache).
+KV caches for step-by-step decoding, as stores: a decode step (nosa.nosa_decode) writes the new
+token into them and asks them for the blocks it selected, and they run no part of the method. The
+contract (Cache), the pooled state selection reads (SubBlockCache), and the cache kept whole on the
+GPU (KVCache).
 
 Notation: Bz sequences, H_kv KV heads of dim d, S cached positions, c eviction scores (eviction.py),
 K̃ / c̃ the pooled caches scoring reads (pooling.py): M = complete sub-blocks.
@@ -11,37 +13,54 @@ only the selected ones on the GPU (NOSI). Both keep the lengths (Cache) and the 
 """
 
 import copy
+from typing import NamedTuple
 
 import torch
-from torch.profiler import record_function
 
-import attention
-import eviction
-import pooling
+
+class Blocks(NamedTuple):
+    """What a decode step attends over, as a cache hands it back (Cache.blocks): the cached keys
+    and values k, v (Bz, H_kv, S, d), or, where offloaded, the GPU slot pool in k (R, k + 1, 2, B,
+    d: K then V of each slot's block, the tail last) with its table slot -> block in slots (R, k);
+    c (Bz, H_kv, S) the eviction scores where the mode has them."""
+
+    k: torch.Tensor
+    v: torch.Tensor = None
+    c: torch.Tensor = None
+    slots: torch.Tensor = None
 
 
 class Cache:
-    """The contract of a decode cache. Per layer, what nosa.nosa_decode calls, in this order:
-      append(layer, k, v, c)        write the new token of every sequence at its position `len`
-      pooled(layer)                 K̃ and each row's list of its best candidates by E
-      n_blocks()                    how many blocks selection ranges over
-      attend(layer, q, block_mask)  attention of q over the selected blocks Γ(t)
+    """The contract of a decode cache, a store. Per layer, what nosa.nosa_decode calls, in this order:
+      write(layer, k, v, c)       the new token of every sequence at its position `len`, and room
+                                  for it in the pooled state `sub` (which nosa_decode updates)
+      n_blocks()                  how many blocks selection ranges over
+      blocks(layer, block_mask)   the selected blocks Γ(t) on the device, to attend over (Blocks)
+      flush(layer)                after the attention: a tail block the token filled goes to its place
     and prefill(layer, seq, k, v, c, pooled) for a prompt (prefill.py), advance() after a step,
     finish(done) for sequences that ended. Every cache keeps the lengths: tokens per sequence on the
     device (read by the decode step) and on the host (read by the Python that sizes and launches it,
     without a device sync; never below the device's). A row that is not active does not advance.
+    capacity(): the positions below which a step keeps its shapes (fast.GraphedDecode).
 
     Continuous batching (serve.py) parks a row while a new prompt prefills into it beside the
     decoding batch: park(seq), the prefill, start(seq). A parked row waits at position 0, so a step
     costs it one key; what a step writes for it (its entries at position 0, the rings, the lists,
     the tail and the tables: the row's decode state) its prefill writes at start (put)."""
 
-    def __init__(self, Bz, device):
+    moves_blocks = False  # whether blocks() and flush() move blocks (offload.OffloadCache)
+
+    def __init__(self, cfg, Bz, device):
+        self.cfg = cfg
         self.len = torch.zeros(Bz, dtype=torch.long, device=device)
         self.len_cpu = torch.zeros(Bz, dtype=torch.long)
         self.active = torch.ones(Bz, dtype=torch.bool, device=device)  # rows that advance
         self.active_cpu = torch.ones(Bz, dtype=torch.bool)
         self.parked = {}  # row -> the writes of its decode state that wait for start(row)
+        self.sub = None  # the pooled state (SubBlockCache) of a sparse mode
+
+    def capacity(self):
+        raise NotImplementedError
 
     def set_length(self, seq, T):  # after a prefill of T tokens into row seq
         self.put(seq, self.len, seq, T)
@@ -81,9 +100,6 @@ class Cache:
             t[index] = value
         self.active[seq] = self.active_cpu[seq] = True
 
-    def pooled(self, layer):
-        return self.sub.pooled(layer)
-
     def graphable(self, pos):
         """Whether decode steps from largest position pos on launch the same kernels on the same
         shapes, so one recorded step can be replayed (fast.GraphedDecode): the buffers hold the
@@ -103,8 +119,11 @@ def grow(t, n, dim):
 
 
 class SubBlockCache:
-    """Per layer: the pooled caches K̃ (Bz, H_kv, M, d) and c̃ (Bz, H_kv, M), kept up to date
-    one token at a time from a ring of the last l_c keys and scores. Both caches use it."""
+    """Per layer, the pooled state selection reads: K̃ (Bz, H_kv, M, d) and c̃ (Bz, H_kv, M), the
+    rings of the last l_c keys and scores they are pooled from, and each row's E-list: its best
+    n_list = n_core + k_q - 1 candidates by E (core_ids, their scores core_E), best first, all a
+    decode step needs of E. Stored here only: nosa.update_pooled changes it a token at a time, and
+    a prompt's is written whole (prefill). Both caches use it."""
 
     BUFFERS = (
         "ring_k",
@@ -117,31 +136,18 @@ class SubBlockCache:
 
     def __init__(self, cfg, Bz, device, dtype, max_len=0):
         self.cfg = cfg
-        L, H, d, l_c = cfg.n_layer, cfg.H_kv, cfg.head_dim, cfg.l_c
-        M = pooling.n_subblocks(max_len, cfg)  # preallocated for max_len tokens; grows past it
+        L, H, d, l_c, n = cfg.n_layer, cfg.H_kv, cfg.head_dim, cfg.l_c, cfg.n_list
+        M = cfg.n_subblocks(max_len)  # preallocated for max_len tokens; grows past it
         self.ring_k = [torch.zeros(Bz, H, l_c, d, device=device, dtype=dtype) for _ in range(L)]
         cdt = torch.promote_types(dtype, torch.float32)  # c and its pools stay in fp32 (or fp64)
         self.ring_c = [torch.zeros(Bz, H, l_c, device=device, dtype=cdt) for _ in range(L)]
         self.K_sub = [torch.zeros(Bz, H, M, d, device=device, dtype=dtype) for _ in range(L)]
         self.c_sub = [torch.zeros(Bz, H, M, device=device, dtype=cdt) for _ in range(L)]
-        # each row's best n = n_core + k_q - 1 candidates by E, best first (eviction.core_list): all a
-        # decode step needs of E; changed only when a block leaves the window (the eviction policy)
-        n = cfg.n_core + cfg.k_q_free if cfg.eviction_head and cfg.n_core > 0 else 0
-        self.core_ids = (
-            [torch.full((Bz, H, n), -1, dtype=torch.long, device=device) for _ in range(L)]
-            if n
-            else None
-        )
-        self.core_E = (
-            [torch.full((Bz, H, n), float("-inf"), dtype=cdt, device=device) for _ in range(L)]
-            if n
-            else None
-        )
-
-    def pooled(self, layer):
-        """What a decode step selects from: K̃ (Bz, H_kv, M, d) and each row's list of its best
-        candidates by E (Bz, H_kv, n), or None in a mode without E-picks."""
-        return self.K_sub[layer], self.core_ids[layer] if self.core_ids else None
+        new = lambda fill, dt: [
+            torch.full((Bz, H, n), fill, dtype=dt, device=device) for _ in range(L)
+        ]
+        self.core_ids = new(-1, torch.long) if n else None
+        self.core_E = new(float("-inf"), cdt) if n else None
 
     def rows(self, a, b):
         """The caches of sequences a..b-1 (views; see offload.OffloadCache.split)."""
@@ -151,21 +157,21 @@ class SubBlockCache:
                 setattr(part, name, [t[a:b] for t in getattr(self, name)])
         return part
 
-    def prefill(self, layer, seq, k, c, pooled=None, put=None):
-        """k (H_kv, T, d), c (H_kv, T) or None: one whole sequence. pooled: (K̃, c̃, list) of it where the
-        caller has them (a chunked prefill: PromptLayer.pooled), else made here. put: how the rings
-        and the list are written (Cache.put), else at once."""
-        cfg, T = self.cfg, k.shape[1]
-        K_sub, c_sub, core = pooled or (
-            pooling.compress_keys(k, cfg),
-            None if c is None else pooling.pool_mean(c, cfg),
-            None,
-        )  # (H_kv, M, d), (H_kv, M)
-        M = K_sub.shape[1]
+    def reserve(self, layer, T):
+        """Room for the sub-blocks of T tokens in K̃ and c̃."""
+        M = self.cfg.n_subblocks(T)
         self.K_sub[layer] = grow(self.K_sub[layer], M, 2)
         self.c_sub[layer] = grow(self.c_sub[layer], M, 2)
+
+    def prefill(self, layer, seq, k, c, pooled, put):
+        """k (H_kv, T, d), c (H_kv, T) or None: one whole sequence, and pooled its (K̃, c̃, E-list
+        (ids, scores)) (prefill.PromptLayer.pooled, or nosa.pooled_prompt). put: how the rings and
+        the list are written (Cache.put)."""
+        cfg, T = self.cfg, k.shape[1]
+        K_sub, c_sub, core = pooled  # (H_kv, M, d), (H_kv, M), (H_kv, n) twice
+        M = K_sub.shape[1]
+        self.reserve(layer, T)
         self.K_sub[layer][seq, :, :M] = K_sub
-        put = put or (lambda seq, t, index, value: t.__setitem__(index, value))
         tail = torch.arange(max(T - cfg.l_c, 0), T, device=k.device)
         ring = (seq, slice(None), tail % cfg.l_c)
         put(seq, self.ring_k[layer], ring, k[:, tail])
@@ -173,37 +179,8 @@ class SubBlockCache:
             self.c_sub[layer][seq, :, :M] = c_sub
             put(seq, self.ring_c[layer], ring, c[:, tail])
         if self.core_ids:  # as of the last prompt token: the next step adds what leaves the window
-            if core is None:  # from scratch
-                nb = pooling.n_blocks(T, cfg)
-                b = torch.arange(nb, device=k.device)
-                cand = (b >= cfg.n_sink) & (b < (T - 1) // cfg.B - cfg.n_win)
-                E = eviction.eviction_block_scores(c_sub, nb, cfg)  # (H_kv, nb)
-                core = eviction.core_list(E, cand.expand_as(E), self.core_ids[layer].shape[-1])
             put(seq, self.core_ids[layer], seq, core[0])
             put(seq, self.core_E[layer], seq, core[1])
-
-    def append(self, layer, k, c, pos, max_pos):
-        """k (Bz, H_kv, d), c (Bz, H_kv) or None, written at positions pos (Bz,); when a sub-block
-        completes (every s_c tokens, per sequence) its mean joins K̃ and c̃, and when a block leaves
-        the window it joins the list by the eviction policy. max_pos: the largest position, known on
-        the host, so that nothing here waits for the device."""
-        M = pooling.n_subblocks(max_pos + 1, self.cfg)
-        self.K_sub[layer] = grow(self.K_sub[layer], M, 2)
-        self.c_sub[layer] = grow(self.c_sub[layer], M, 2)
-        pooling.append_subblocks(
-            self.ring_k[layer],
-            self.ring_c[layer],
-            self.K_sub[layer],
-            self.c_sub[layer],
-            k,
-            c,
-            pos,
-            self.cfg,
-        )
-        if self.core_ids:
-            eviction.join_leaver(
-                self.core_ids[layer], self.core_E[layer], self.c_sub[layer], pos, self.cfg
-            )
 
 
 class KVCache(Cache):
@@ -214,8 +191,8 @@ class KVCache(Cache):
     fast.GraphedDecode); without, they grow with the sequences."""
 
     def __init__(self, cfg, Bz, device, dtype, max_len=None):
-        super().__init__(Bz, device)
-        self.cfg, self.max_len = cfg, max_len
+        super().__init__(cfg, Bz, device)
+        self.max_len = max_len
         L, H, d, S = cfg.n_layer, cfg.H_kv, cfg.head_dim, max_len or 0
         self.k = [torch.zeros(Bz, H, S, d, device=device, dtype=dtype) for _ in range(L)]
         self.v = [torch.zeros(Bz, H, S, d, device=device, dtype=dtype) for _ in range(L)]
@@ -250,9 +227,10 @@ class KVCache(Cache):
         return max(self.capacity(), int(self.len_cpu.max()) + 1)
 
     def n_blocks(self):  # the blocks selection ranges over
-        return pooling.n_blocks(self.S(), self.cfg)
+        return self.cfg.n_blocks(self.S())
 
-    def append(self, layer, k, v, c):
+    def write(self, layer, k, v, c):
+        """k, v (Bz, H_kv, d), c (Bz, H_kv) or None: the new token of every sequence, at its position."""
         pos, rows = self.len, torch.arange(k.shape[0], device=k.device)
         max_pos = int(self.len_cpu.max())
         self._grow(layer, max_pos + 1)
@@ -260,21 +238,16 @@ class KVCache(Cache):
         if c is not None:
             self.c[layer][rows, :, pos] = c
         if self.sub:
-            self.sub.append(layer, k, c, pos, max_pos)
+            self.sub.reserve(layer, max_pos + 1)
 
-    def attend(self, layer, q, block_mask):
-        """q (Bz, H_q, 1, d) at positions self.len -> (Bz, H_q, 1, d) over the cached tokens."""
+    def blocks(self, layer, block_mask):
+        """Everything is resident: the cached tokens, which attention masks by Γ(t)."""
         S = self.S()
-        cfg, k, v = self.cfg, self.k[layer][:, :, :S], self.v[layer][:, :, :S]
-        with record_function("attention"):
-            if not cfg.sparse:
-                return attention.dense_decode(q, k, v, self.len, cfg)
-            bias = (
-                eviction.attention_bias(self.c[layer][:, :, :S], cfg.attn)
-                if cfg.eviction_head
-                else None
-            )
-            return attention.sparse_decode(q, k, v, bias, block_mask, self.len, cfg)
+        c = self.c[layer][:, :, :S] if self.cfg.eviction_head else None
+        return Blocks(self.k[layer][:, :, :S], self.v[layer][:, :, :S], c)
+
+    def flush(self, layer):  # nothing to move: the tail is where every block is
+        pass
 
     def _grow(self, layer, n):
         self.k[layer], self.v[layer] = grow(self.k[layer], n, 2), grow(self.v[layer], n, 2)

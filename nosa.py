@@ -160,7 +160,7 @@ def nosa_attention(q, k, v, c, cfg, start=0, pooled=None):
         return attention.full_attention(q, k, v, q_pos), None
     kernels = use_kernels(q, cfg)
     with torch.no_grad():
-        first, nb = start // cfg.B, pooling.n_blocks(S, cfg)
+        first, nb = start // cfg.B, cfg.n_blocks(S)
         if pooled is None:  # K̃, and each query block's list of its best candidates by E
             lists = None
             if c is not None and cfg.n_core > 0:
@@ -179,18 +179,69 @@ def nosa_attention(q, k, v, c, cfg, start=0, pooled=None):
     return attend(q, k, v, bias, sel, q_pos, cfg.B), sel
 
 
+# -----------------------------------------------------------------------------
+# Decoding: one token per sequence against a cache (kvcache.py, offload.py), which only stores
+
+
 def nosa_decode(q, k, v, c, layer, cache, cfg):
-    """The decode half of one attention layer, beside the training half (nosa_attention): one new token
-    per sequence, each at its own position cache.len. Its k, v, c join the cache (and the pooled caches
-    and the eviction list, kvcache.SubBlockCache.append); Γ(t) is selected by the same select as the
-    parallel forward, from K̃ and the row's list of its best candidates by E; attention runs over the
-    selected blocks (the GPU slot pool of offload.OffloadCache, or a resident kvcache.KVCache).
+    """The decode step of one attention layer, beside the training half (nosa_attention), in
+    docs/METHOD.md §6's order: one new token per sequence, each at its own position cache.len.
 
     q (Bz, H_q, 1, d), k, v (Bz, H_kv, 1, d), c (Bz, H_kv, 1) or None -> the output (Bz, H_q, 1, d)."""
-    cache.append(layer, k[:, :, 0], v[:, :, 0], None if c is None else c[:, :, 0])
+    k, v, c, pos = k[:, :, 0], v[:, :, 0], None if c is None else c[:, :, 0], cache.len
+    # 1. the new token's k, v and c into the cache (where offloaded: into the tail block)
+    cache.write(layer, k, v, c)
     block_mask = None
     if cfg.sparse:
         with record_function("selection"):
-            K_sub, core_ids = cache.pooled(layer)
-            block_mask = select(q, K_sub, core_ids, cache.len[:, None], cache.n_blocks(), cfg)
-    return cache.attend(layer, q, block_mask)
+            # 2. K̃, c̃ and the E-list by the new token
+            update_pooled(cache.sub, layer, k, c, pos, cfg)
+            # 3. Γ(t), by the same select as the parallel forward
+            ids = cache.sub.core_ids[layer] if cache.sub.core_ids else None
+            block_mask = select(q, cache.sub.K_sub[layer], ids, pos[:, None], cache.n_blocks(), cfg)
+    # 4. the selected blocks on the device (NOSI: the set difference gathered from the host)
+    moves = "transfer" if cache.moves_blocks else "attention"  # the profiler's phases
+    with record_function(moves):
+        kv = cache.blocks(layer, block_mask)
+    # 5. attention over them, with the bias
+    with record_function("attention"):
+        bias = None if kv.c is None else eviction.attention_bias(kv.c, cfg.attn)
+        if kv.slots is not None:  # the slot pool
+            o = attention.slot_attention(q, kv.k, kv.slots, bias, pos, cfg)
+        elif cfg.sparse:
+            o = attention.sparse_decode(q, kv.k, kv.v, bias, block_mask, pos, cfg)
+        else:
+            o = attention.dense_decode(q, kv.k, kv.v, pos, cfg)
+    # 6. a tail block the token filled goes to its place (the host store)
+    with record_function(moves):
+        cache.flush(layer)
+    return o
+
+
+def update_pooled(sub, layer, k, c, pos, cfg):
+    """A decode step's update of the pooled state (kvcache.SubBlockCache), k (Bz, H_kv, d) and
+    c (Bz, H_kv) or None at positions pos (Bz,): when a sub-block completes (every s_c tokens, per
+    sequence) its mean joins K̃ and c̃, and when a block leaves the window it joins the E-list by
+    the eviction policy (eviction.join_leaver)."""
+    ring_k, ring_c, K_sub, c_sub = (
+        x[layer] for x in (sub.ring_k, sub.ring_c, sub.K_sub, sub.c_sub)
+    )
+    pooling.append_subblocks(ring_k, ring_c, K_sub, c_sub, k, c, pos, cfg)
+    if sub.core_ids:
+        eviction.join_leaver(sub.core_ids[layer], sub.core_E[layer], c_sub, pos, cfg)
+
+
+def pooled_prompt(k, c, cfg):
+    """What a decode cache keeps of a whole prompt's keys (kvcache.SubBlockCache.prefill), made at
+    once (prefill.PromptLayer makes it a chunk at a time): k (H_kv, T, d), c (H_kv, T) or None ->
+    K̃ (H_kv, M, d), c̃ (H_kv, M) or None, and the E-list as of the last token (ids, scores)
+    (H_kv, n_list) or None."""
+    T = k.shape[1]
+    K_sub, c_sub = pooling.compress_keys(k, cfg), None if c is None else pooling.pool_mean(c, cfg)
+    if not cfg.n_list:
+        return K_sub, c_sub, None
+    nb = cfg.n_blocks(T)
+    b = torch.arange(nb, device=k.device)
+    cand = (b >= cfg.n_sink) & (b < (T - 1) // cfg.B - cfg.n_win)  # left the window
+    E = eviction.eviction_block_scores(c_sub, nb, cfg)  # (H_kv, nb)
+    return K_sub, c_sub, eviction.core_list(E, cand.expand_as(E), cfg.n_list)

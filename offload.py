@@ -14,16 +14,16 @@ tail block, the one being written.
   c            (Bz, H_kv, S)      the eviction score of every token stays on the GPU (1/2d of K+V),
                                   as do the pooled caches K̃ and c̃ that scoring reads (kvcache.SubBlockCache)
 
-Per decode step and layer (nosa.nosa_decode calls append, then attend):
-  1. append     write k, v into the tail, c into its cache (write_tail), update K̃, c̃ and the list
-  2. select     Γ(t), exactly as in training (nosa.select)
-  3. set_difference   the selected non-tail blocks against the resident ones: free the slots of
-                blocks no longer selected, give each missed block a free slot; on the device, no sync
-  4. gather     the missed units from the host store into their slots (UVA: a kernel reads pinned
-                host memory through its device pointer)
-  5. attention  over the slots and the tail, with the bias (attention.slot_attention)
-  6. flush      when the tail block is full: write it to the host store, and keep it in a free slot,
-                so the window needs no transfer.
+Per decode step and layer, nosa.nosa_decode runs the step and calls this store for three parts:
+  write     k, v into the tail, c into its cache (write_tail); nosa_decode then updates K̃, c̃ and
+            the E-list and selects Γ(t), exactly as in training (nosa.select)
+  blocks    set_difference: the selected non-tail blocks against the resident ones: free the slots
+            of blocks no longer selected, give each missed block a free slot; on the device, no
+            sync. Then gather: the missed units from the host store into their slots (UVA: a
+            kernel reads pinned host memory through its device pointer). nosa_decode attends over
+            the slots and the tail, with the bias (attention.slot_attention)
+  flush     when the tail block is full: write it to the host store, and keep it in a free slot,
+            so the window needs no transfer.
 By the locality theorem (nosa.py) step 4 moves at most k_q - 1 units per row and step.
 Kernels: offload_kernels.py and uva_copy.cu.
 """
@@ -33,14 +33,11 @@ import math
 import weakref
 
 import torch
-from torch.profiler import record_function
 
-import attention
-import eviction
 import memory
 import offload_kernels
 from common import use_kernels
-from kvcache import Cache, SubBlockCache, grow
+from kvcache import Blocks, Cache, SubBlockCache, grow
 
 
 def needed_blocks(sel, pos, active, H_kv, B, k):
@@ -253,6 +250,7 @@ class OffloadCache(Cache):
 
     # the buffers, one tensor per layer each: those with a row per (sequence, KV head), and those with a
     # row per sequence (split slices both; the memory model, memory.cache_bytes, counts them; a test checks both)
+    moves_blocks = True
     ROWS = ("host", "pool", "tail", "slot_block", "block_slot", "fetch", "fresh")
     SEQS = ("c",)
 
@@ -262,14 +260,14 @@ class OffloadCache(Cache):
                 "--offload needs a sparse attention mode (nosa, infllmv2 or dma); full attention "
                 "reads every block at every step"
             )
-        self.cfg, self.device, self.Bz = cfg, torch.device(device), Bz
+        self.device, self.Bz = torch.device(device), Bz
         L, H, B, d, k = cfg.n_layer, cfg.H_kv, cfg.B, cfg.head_dim, cfg.k
         R, elt = Bz * H, torch.empty((), dtype=dtype).element_size()
         self.max_len = max_len = max_len or cfg.max_seq_len
         cap = math.ceil(max_len / B)
         unit = 2 * B * d * elt
         memory.check_offload(cfg, Bz, max_len, dtype, self.device, gpu_budget, host_budget)
-        super().__init__(Bz, device)
+        super().__init__(cfg, Bz, device)
         self.pin = self.device.type == "cuda"
         self.writes = (
             torch.cuda.Stream(self.device) if self.pin else None
@@ -393,8 +391,8 @@ class OffloadCache(Cache):
     def n_blocks(self):  # selection ranges over every block the store holds: static shapes
         return self.host[0].shape[1]
 
-    def append(self, layer, k, v, c):
-        """k, v (Bz, H_kv, d), c (Bz, H_kv) or None: the new token of every sequence."""
+    def write(self, layer, k, v, c):
+        """k, v (Bz, H_kv, d), c (Bz, H_kv) or None: the new token of every sequence, into its tail."""
         cfg, pos = self.cfg, self.len
         max_pos = int(self.len_cpu.max())
         if self.part and max_pos >= self.max_len:
@@ -406,45 +404,49 @@ class OffloadCache(Cache):
         if c is not None:
             self.c[layer] = grow(self.c[layer], max_pos + 1, 2)
         write_tail(self.pool[layer], self.c[layer], k, v, c, pos, cfg.B)
-        self.sub.append(layer, k, c, pos, max_pos)
+        self.sub.reserve(layer, max_pos + 1)
 
-    def attend(self, layer, q, block_mask):
-        """q (Bz, H_q, 1, d) at positions self.len; block_mask (Bz, H_kv, 1, nb) = Γ(t)."""
-        cfg, Bz = self.cfg, self.Bz
-        R, k, B = Bz * cfg.H_kv, cfg.k, cfg.B
+    def blocks(self, layer, block_mask):
+        """block_mask (Bz, H_kv, 1, nb) = Γ(t) -> the slot pool holding the selected blocks: the
+        set difference against what is resident, and the missed blocks gathered from the host."""
+        cfg, R, k, B = self.cfg, self.Bz * self.cfg.H_kv, self.cfg.k, self.cfg.B
         host, pool, slot_block, fetch = (
+            x[layer] for x in (self.host, self.pool, self.slot_block, self.fetch)
+        )
+        need_ids, n_need = needed_blocks(
+            block_mask.reshape(R, -1), self.len, self.active, cfg.H_kv, B, k
+        )
+        set_difference(need_ids, slot_block, self.block_slot[layer], fetch)
+        s = self.stats
+        count_moves(
+            fetch,
+            n_need,
+            self.fresh[layer],
+            s.needed[layer],
+            s.moved[layer],
+            s.cold[layer],
+            s.stepped[layer],
+            s.row_max,
+        )
+        if self.pcie is None:
+            gather_units(host, pool, fetch)
+        else:  # micro-batches: the parts' gathers take turns on PCIe (split)
+            here = torch.cuda.current_stream()
+            self.pcie.wait_stream(here)
+            with torch.cuda.stream(self.pcie):
+                gather_units(host, pool, fetch)
+            here.wait_stream(self.pcie)
+        return Blocks(pool, c=self.c[layer] if cfg.eviction_head else None, slots=slot_block)
+
+    def flush(self, layer):
+        """After the attention: a row whose tail block is now full writes it to the host store."""
+        cfg = self.cfg
+        flush_tails(
             self.host[layer],
             self.pool[layer],
             self.slot_block[layer],
-            self.fetch[layer],
+            self.block_slot[layer],
+            self.len,
+            cfg.H_kv,
+            cfg.B,
         )
-        with record_function("transfer"):
-            need_ids, n_need = needed_blocks(
-                block_mask.reshape(R, -1), self.len, self.active, cfg.H_kv, B, k
-            )
-            set_difference(need_ids, slot_block, self.block_slot[layer], fetch)
-            s = self.stats
-            count_moves(
-                fetch,
-                n_need,
-                self.fresh[layer],
-                s.needed[layer],
-                s.moved[layer],
-                s.cold[layer],
-                s.stepped[layer],
-                s.row_max,
-            )
-            if self.pcie is None:
-                gather_units(host, pool, fetch)
-            else:  # micro-batches: the parts' gathers take turns on PCIe (split)
-                here = torch.cuda.current_stream()
-                self.pcie.wait_stream(here)
-                with torch.cuda.stream(self.pcie):
-                    gather_units(host, pool, fetch)
-                here.wait_stream(self.pcie)
-        with record_function("attention"):
-            bias = eviction.attention_bias(self.c[layer], cfg.attn) if cfg.eviction_head else None
-            o = attention.slot_attention(q, pool, slot_block, bias, self.len, cfg)
-        with record_function("transfer"):
-            flush_tails(host, pool, slot_block, self.block_slot[layer], self.len, cfg.H_kv, B)
-        return o

@@ -27,16 +27,6 @@ import pooling_kernels
 from common import fp32, use_kernels
 
 
-def n_subblocks(T, cfg):
-    """M: how many sub-blocks are complete after T tokens."""
-    return 0 if T < cfg.l_c else (T - cfg.l_c) // cfg.s_c + 1
-
-
-def n_blocks(T, cfg):
-    """nb: how many (possibly partial) KV blocks T tokens occupy."""
-    return math.ceil(T / cfg.B)
-
-
 def pool_mean(x, cfg):
     """Stage 1 along the token axis (dim -1): (..., T) -> (..., M) sub-block means."""
     if x.shape[-1] < cfg.l_c:
@@ -49,14 +39,9 @@ def compress_keys(k, cfg):
     return pool_mean(k.transpose(-1, -2), cfg).transpose(-1, -2)
 
 
-def overlap(cfg):
-    """(r, p): a block's own sub-blocks, and how many of the block before's last ones overlap it."""
-    return cfg.B // cfg.s_c, (cfg.l_c - 1) // cfg.s_c
-
-
 def overlapping_subblocks(b, cfg):
     """The sub-blocks that overlap block b: b (...,) block ids -> (..., r+p) ids (some < 0)."""
-    r, p = overlap(cfg)
+    r, p = cfg.r, cfg.p
     return b[..., None] * r - p + torch.arange(r + p, device=b.device)
 
 

@@ -256,7 +256,7 @@ def query_aware_scores(q, K_sub, q_pos, nb, cfg):
     Bz, H_q, T, D = q.shape
     H_kv, M = K_sub.shape[1], K_sub.shape[2]
     G, GP = H_q // H_kv, triton.next_power_of_2(H_q // H_kv)
-    r, p = cfg.B // cfg.s_c, (cfg.l_c - 1) // cfg.s_c
+    r, p = cfg.r, cfg.p
     if M == 0:  # no sub-block complete: no block has a score
         return q.new_full((Bz, H_kv, T, nb), float("-inf"), dtype=torch.float32)
     BT = max(1, 128 // GP)  # about 128 rows x 64 sub-blocks a tile: the fastest of a sweep
@@ -406,7 +406,7 @@ def query_aware_scores_decode(q, K_sub, q_pos, nb, cfg, CM=128, NBT=64):
     H_kv, M = K_sub.shape[1], K_sub.shape[2]
     R, G = Bz * H_kv, H_q // H_kv
     GP = gp(G)
-    r, p = cfg.B // cfg.s_c, (cfg.l_c - 1) // cfg.s_c
+    r, p = cfg.r, cfg.p
     if M == 0:
         return q.new_full((Bz, H_kv, 1, nb), float("-inf"), dtype=torch.float32)
     NC = triton.cdiv(M, CM)

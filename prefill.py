@@ -71,7 +71,7 @@ class PromptLayer:
     chunk to chunk by the eviction policy (eviction.block_lists). `len`: the tokens written so far."""
 
     def __init__(self, cfg, T, device, dtype):
-        H, d, M = cfg.H_kv, cfg.head_dim, pooling.n_subblocks(T, cfg)
+        H, d, M = cfg.H_kv, cfg.head_dim, cfg.n_subblocks(T)
         cdt = torch.promote_types(dtype, torch.float32)  # c and its pools stay in fp32 (or fp64)
         self.cfg = cfg
         self.k = torch.empty(1, H, T, d, device=device, dtype=dtype)
@@ -99,8 +99,8 @@ class PromptLayer:
         if not cfg.sparse:
             return self.k[:, :, :e], self.v[:, :, :e], None, None
         m0, m1 = (
-            pooling.n_subblocks(start, cfg),
-            pooling.n_subblocks(e, cfg),
+            cfg.n_subblocks(start),
+            cfg.n_subblocks(e),
         )  # the sub-blocks it completes
         if m1 > m0:
             t0 = m0 * cfg.s_c  # the first token of sub-block m0, at or before start

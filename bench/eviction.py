@@ -35,7 +35,7 @@ def block_mass(q, k, c, cfg, t0):
     p = torch.softmax(logits.masked_fill(~causal, float("-inf")), -1).mean(
         1
     )  # (H_kv, T', S) over the group
-    nb = pooling.n_blocks(T, cfg)
+    nb = cfg.n_blocks(T)
     return torch.nn.functional.pad(p, (0, nb * B - T)).view(H_kv, T - t0, nb, B).sum(-1)
 
 

@@ -60,7 +60,7 @@ def bench_prefill(
         for mode in modes:
             cfg = Config.from_preset("paper", attn=mode)
             c = c0 if cfg.eviction_head else None
-            pos, nb = torch.arange(T, device="cuda")[None], pooling.n_blocks(T, cfg)
+            pos, nb = torch.arange(T, device="cuda")[None], cfg.n_blocks(T)
             with torch.no_grad():
                 K_sub = pooling.compress_keys(k, cfg)
                 R = nosa_kernels.select_rows(nb)

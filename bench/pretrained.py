@@ -76,7 +76,7 @@ def core_against_dense(nosa, dense, x, generator):
     t0 = cfg.k * cfg.B
     rope = nosa.rope(torch.arange(T, device=dev)[None], torch.float32)
     hn, hd = nosa.embed_tokens(x), dense.embed_tokens(x)
-    nb = pooling.n_blocks(T, cfg)
+    nb = cfg.n_blocks(T)
     b, q_blk = torch.arange(nb, device=dev), (torch.arange(t0, T, device=dev) // cfg.B)[:, None]
     cand = (b >= cfg.n_sink) & (b < q_blk - cfg.n_win)  # (T', nb)
     ok = cand.sum(-1) > cfg.n_core  # positions where the core is a choice

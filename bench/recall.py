@@ -79,7 +79,7 @@ def where_the_fact_is(model, ids, t, b_fact):
     out = []
     for layer in model.layers:
         q, k, _, c = layer.self_attn.qkvc(layer.input_layernorm(x), rope)
-        nb, pos = pooling.n_blocks(t + 1, cfg), torch.tensor([[t]], device=dev)
+        nb, pos = cfg.n_blocks(t + 1), torch.tensor([[t]], device=dev)
         Q = pooling.query_aware_scores(q[:, :, -1:], pooling.compress_keys(k, cfg), pos, nb, cfg)[
             :, :, 0
         ]
@@ -124,7 +124,7 @@ def eviction_at_the_question(model, ids, t, v, n):
     idx = torch.tensor(ids[: t + 1], device=dev)[None]
     x = model.embed_tokens(idx)
     rope = model.rope(torch.arange(t + 1, device=dev)[None], x.dtype)
-    nb, q_blk, b_fact = pooling.n_blocks(t + 1, cfg), t // cfg.B, v // cfg.B
+    nb, q_blk, b_fact = cfg.n_blocks(t + 1), t // cfg.B, v // cfg.B
     b = torch.arange(nb, device=dev)
     cand = (b >= cfg.n_sink) & (b < q_blk - cfg.n_win)
     value = torch.zeros(t + 1, dtype=torch.bool, device=dev)

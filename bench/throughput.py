@@ -7,6 +7,7 @@ import torch
 import checkpoint
 import fast
 import memory
+import nosa
 import offload
 import offload_kernels
 from bench import hbm_bandwidth, pinned_bandwidth
@@ -60,7 +61,8 @@ def fill_random(cache, cfg, Bz, prompt_len, dev, dtype, first=0):
         for layer in range(cfg.n_layer):
             k, v = torch.randn(2, cfg.H_kv, prompt_len, cfg.head_dim, device=dev, dtype=dtype)
             c = torch.randn(cfg.H_kv, prompt_len, device=dev) if cfg.eviction_head else None
-            cache.prefill(layer, seq, k, v, c)
+            pooled = nosa.pooled_prompt(k, c, cfg) if cfg.sparse else None
+            cache.prefill(layer, seq, k, v, c, pooled)
 
 
 @torch.no_grad()

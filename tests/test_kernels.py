@@ -133,7 +133,7 @@ def test_parallel_selection_in_chunks_of_queries(monkeypatch):
     q = torch.randn(Bz, cfg.H_q, T, cfg.head_dim, device=DEV)
     k = torch.randn(Bz, cfg.H_kv, T, cfg.head_dim, device=DEV)
     c = torch.randn(Bz, cfg.H_kv, T, device=DEV)
-    q_pos, nb = torch.arange(T, device=DEV).expand(Bz, T), pooling.n_blocks(T, cfg)
+    q_pos, nb = torch.arange(T, device=DEV).expand(Bz, T), cfg.n_blocks(T)
     K_sub, c_sub = pooling.compress_keys(k, cfg), pooling.pool_mean(c, cfg)
     with common.kernels(True):
         lists = eviction.block_lists(c_sub, 0, nb - 1, cfg)[0]
@@ -259,7 +259,7 @@ def test_query_aware_score_kernel_matches_twin(G, d, T, start, preset, over):
         q = q.transpose(1, 2).contiguous().transpose(1, 2)
         K_sub = torch.cat([K_sub, torch.randn_like(K_sub[:, :, :7])], 2)[:, :, : K_sub.shape[2]]
     q_pos = torch.arange(start, T, device=DEV).expand(Bz, T - start)
-    nb = pooling.n_blocks(T, cfg)
+    nb = cfg.n_blocks(T)
     with common.kernels(False):
         want = pooling.query_aware_scores(q, K_sub, q_pos, nb, cfg)
     got = pooling_kernels.query_aware_scores(q, K_sub, q_pos, nb, cfg)
@@ -284,7 +284,7 @@ def test_query_aware_score_kernel_far_above_the_first_tile():
         q[:, :G, 0].mean(1)[:, None] * 80
     )  # the first query's heads: products of several hundred
     q_pos = torch.arange(T - 64, T, device=DEV).expand(Bz, 64)
-    nb = pooling.n_blocks(T, cfg)
+    nb = cfg.n_blocks(T)
     want = pooling.query_aware_scores(q.double(), K_sub.double(), q_pos, nb, cfg)
     got = pooling_kernels.query_aware_scores(q, K_sub, q_pos, nb, cfg)
     finite = torch.isfinite(want)
@@ -313,7 +313,7 @@ def test_decode_score_kernel_matches_twin(G, d, preset, M_len, over):
     q_pos = torch.tensor(
         [[5], [M_len // 2], [M_len - 1]], device=DEV
     )  # the first sees no sub-block yet
-    nb = pooling.n_blocks(M_len, cfg) + 2
+    nb = cfg.n_blocks(M_len) + 2
     with common.kernels(False):
         want = pooling.query_aware_scores(q, K_sub, q_pos, nb, cfg)
     got = pooling_kernels.query_aware_scores_decode(q, K_sub, q_pos, nb, cfg, CM=32, NBT=16)

@@ -6,8 +6,10 @@ import glob
 import os
 import sys
 
+import pytest
 import torch
 
+import common
 from offload import OffloadCache
 from tests.conftest import make_model
 
@@ -59,6 +61,49 @@ def test_an_offloaded_decode_step_runs_in_seven_files_and_the_shared_two():
         "offload.py",
     }
     assert steps <= files <= steps | {"config.py", "common.py"}, files
+
+
+METHOD = {"model.py", "nosa.py", "pooling.py", "eviction.py", "attention.py"}  # pass 1
+SYSTEM = {"kvcache.py", "offload.py", "memory.py"}  # pass 2: the caches, which only store
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_a_decode_step_consults_the_cache_as_a_store_in_the_methods_order(kernels):
+    """The order of one offloaded decode step, traced call by call (torch path, and the kernel
+    path interpreted): nosa.nosa_decode consults the cache four times a layer (write, n_blocks,
+    blocks, flush), model.decode once a step (advance), each call returning straight to the
+    method, so the step crosses between the method's files and the system's at most 8 times a
+    layer and 2 a step; and no system file ever calls into the method's files."""
+    model = make_model("nosa", torch.float32)
+    cache = OffloadCache(model.cfg, 2, "cpu", torch.float32, max_len=200)
+    idx = torch.randint(0, 97, (2, 150))
+    from prefill import prefill
+
+    calls, wrong = [], []
+
+    def trace(frame, event, arg):
+        if event != "call" or os.path.dirname(frame.f_code.co_filename) != ROOT:
+            return
+        callee = os.path.basename(frame.f_code.co_filename)
+        caller = frame.f_back and os.path.basename(frame.f_back.f_code.co_filename)
+        calls.append(callee)
+        if caller in SYSTEM and callee in METHOD:
+            wrong.append(
+                f"{caller}:{frame.f_back.f_code.co_name} -> {callee}:{frame.f_code.co_name}"
+            )
+
+    with torch.no_grad(), common.kernels(kernels):
+        for i in range(2):
+            prefill(model, idx[i : i + 1], cache, i)
+        sys.setprofile(trace)
+        try:
+            model.decode(idx[:, -1], cache)
+        finally:
+            sys.setprofile(None)
+    side = [1 if n in METHOD else 2 for n in calls if n in METHOD | SYSTEM]
+    crossings = sum(a != b for a, b in zip(side, side[1:]))
+    assert not wrong, wrong
+    assert crossings <= 8 * model.cfg.n_layer + 2, crossings
 
 
 def test_kernels_are_leaves_and_speed_comes_from_outside():

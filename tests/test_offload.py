@@ -20,7 +20,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 class CheckedCache(OffloadCache):
-    """Checks the slot pool after every attend: it holds exactly the selected non-tail blocks,
+    """Checks the slot pool after every layer's step (at its flush): it holds exactly the selected non-tail blocks,
     bit-equal to the host store, the two tables are inverse, and what was gathered is exactly the
     set difference between the selection and what was resident before."""
 
@@ -29,9 +29,14 @@ class CheckedCache(OffloadCache):
     def capacity(self):  # no CUDA graph (fast.GraphedDecode): the checks read the tables every step
         return 0
 
-    def attend(self, layer, q, block_mask):
-        before, cold = self.slot_block[layer].clone(), self.fresh[layer].clone()
-        o = super().attend(layer, q, block_mask)
+    def blocks(self, layer, block_mask):
+        self.before, self.cold = self.slot_block[layer].clone(), self.fresh[layer].clone()
+        self.block_mask = block_mask
+        return super().blocks(layer, block_mask)
+
+    def flush(self, layer):  # the layer's step is done: check it
+        super().flush(layer)
+        before, cold, block_mask = self.before, self.cold, self.block_mask
         cfg, R = self.cfg, self.Bz * self.cfg.H_kv
         pos = self.len_cpu.repeat_interleave(cfg.H_kv)
         sel = block_mask.reshape(R, -1).cpu()
@@ -58,7 +63,6 @@ class CheckedCache(OffloadCache):
                         "slot differs from host"
                     )
             assert int((self.block_slot[layer][r] >= 0).sum()) == len(resident), "a slot leaked"
-        return o
 
 
 @pytest.mark.parametrize("attn", ["nosa", "infllmv2", "dma"])
@@ -356,10 +360,9 @@ class CountingCache(OffloadCache):
 
     capacity = CheckedCache.capacity
 
-    def attend(self, layer, q, block_mask):
-        o = super().attend(layer, q, block_mask)
+    def flush(self, layer):
+        super().flush(layer)
         self.log.append((self.len_cpu.clone(), (self.fetch[layer] >= 0).sum(1).cpu()))
-        return o
 
 
 def test_a_sequence_stops_at_its_end_token_while_another_continues():

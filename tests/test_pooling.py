@@ -12,7 +12,7 @@ paper = Config.from_preset("paper")  # B=64, l_c=32, s_c=16
 
 
 def test_subblock_counts():
-    assert [pooling.n_subblocks(T, tiny) for T in (0, 7, 8, 11, 12, 16, 17)] == [
+    assert [tiny.n_subblocks(T) for T in (0, 7, 8, 11, 12, 16, 17)] == [
         0,
         0,
         1,
@@ -21,7 +21,7 @@ def test_subblock_counts():
         3,
         3,
     ]
-    assert [pooling.n_blocks(T, tiny) for T in (1, 16, 17, 32, 33)] == [1, 1, 2, 2, 3]
+    assert [tiny.n_blocks(T) for T in (1, 16, 17, 32, 33)] == [1, 1, 2, 2, 3]
 
 
 def test_pool_mean_by_hand():

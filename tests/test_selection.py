@@ -9,7 +9,6 @@ import eviction
 import eviction_kernels
 import nosa
 import nosa_kernels
-import pooling
 from attention_kernels import Tiles
 from config import Config
 from kvcache import SubBlockCache
@@ -280,9 +279,7 @@ def test_select_tiles_kernel_equals_twin(cfg, data, attn):
         Q = torch.rand(Bz, H, T, nb, generator=g)
     lists = None
     if cfg.eviction_head and cfg.n_core > 0:  # E from sub-block means of c of a few values: ties
-        c_sub = torch.randint(
-            0, 3, (Bz, H, pooling.n_subblocks(start + T, cfg)), generator=g
-        ).float()
+        c_sub = torch.randint(0, 3, (Bz, H, cfg.n_subblocks(start + T)), generator=g).float()
         lists = eviction.block_lists(c_sub, first, nb - 1, cfg)[0]
     U = min(nb, BT * cfg.k)
     want = tiles_twin(Q, lists, first, q_pos, cfg, BT, U)
@@ -385,13 +382,16 @@ def test_parallel_selection_equals_decode_selection(tied):
     assert not par[:, :, -1].all(), "test too short: sparsity never kicks in"
     sub = SubBlockCache(cfg, Bz, "cpu", torch.float64)
     starts = [5, 40]
+    at_once = lambda seq, t, index, value: t.__setitem__(index, value)
     for i, s in enumerate(starts):
-        sub.prefill(0, i, k[i, :, :s], c[i, :, :s])
+        pooled = nosa.pooled_prompt(k[i, :, :s], c[i, :, :s], cfg)
+        sub.prefill(0, i, k[i, :, :s], c[i, :, :s], pooled, at_once)
     for step in range(T - max(starts)):
         pos = torch.tensor([s + step for s in starts])
         rows = torch.arange(Bz)
-        sub.append(0, k[rows, :, pos], c[rows, :, pos], pos, int(pos.max()))
-        nb = pooling.n_blocks(int(pos.max()) + 1, cfg)
+        sub.reserve(0, int(pos.max()) + 1)
+        nosa.update_pooled(sub, 0, k[rows, :, pos], c[rows, :, pos], pos, cfg)
+        nb = cfg.n_blocks(int(pos.max()) + 1)
         q_t = q[rows, :, pos][:, :, None]
         lists = nosa.core_lists(
             sub.c_sub[0], pos[:, None], cfg
@@ -400,7 +400,7 @@ def test_parallel_selection_equals_decode_selection(tied):
         dec_list = nosa.select(q_t, sub.K_sub[0], sub.core_ids[0], pos[:, None], nb, cfg)[:, :, 0]
         for i in range(Bz):
             p = int(pos[i])
-            nbi = pooling.n_blocks(p + 1, cfg)
+            nbi = cfg.n_blocks(p + 1)
             assert torch.equal(dec[i, :, :nbi], par[i, :, p, :nbi]), (i, p)
             assert torch.equal(dec_list[i, :, :nbi], par[i, :, p, :nbi]), (i, p)
             assert not dec[i, :, nbi:].any() and not dec_list[i, :, nbi:].any()
@@ -459,8 +459,8 @@ def test_block_lists_kept_chunk_by_chunk_equal_the_lists_from_scratch(cfg, data,
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
     S = data.draw(st.integers(1, 40 * cfg.B))
-    nb, n = pooling.n_blocks(S, cfg), cfg.n_core + cfg.k_q_free
-    c_sub = torch.randint(0, 4, (2, 2, pooling.n_subblocks(S, cfg)), generator=g).float()
+    nb, n = cfg.n_blocks(S), cfg.n_core + cfg.k_q_free
+    c_sub = torch.randint(0, 4, (2, 2, cfg.n_subblocks(S)), generator=g).float()
     c_sub[c_sub == 3] = float("-inf")
     E = eviction.eviction_block_scores(c_sub, nb, cfg)
     ends = sorted(set(data.draw(st.lists(st.integers(1, S), max_size=4)) + [S]))  # the chunks' ends
@@ -509,7 +509,7 @@ def test_selection_from_block_lists_equals_the_definition(cfg, data, attn):
         else torch.zeros(Bz, 1)
     )
     q_pos = (start + torch.arange(T)).long()  # (Bz, T)
-    c_sub = torch.randint(0, 4, (Bz, H, pooling.n_subblocks(nb * cfg.B, cfg)), generator=g).double()
+    c_sub = torch.randint(0, 4, (Bz, H, cfg.n_subblocks(nb * cfg.B)), generator=g).double()
     E = eviction.eviction_block_scores(c_sub, nb, cfg)  # ties everywhere
     Q = torch.randint(0, 4, (Bz, H, T, nb), generator=g).double()
     want = nosa.select_blocks(Q, E, q_pos[:, None], cfg)
