@@ -84,9 +84,8 @@ def _tile_rows(
     return b, t, ok, (b * T + t) * (H_kv * G) + h * G + g
 
 
-LOG2E: tl.constexpr = tl.constexpr(
-    1.4426950408889634
-)  # logits in base 2: exp2 is the GPU's own exponential
+# logits in base 2: exp2 is the GPU's own exponential
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 
@@ -136,24 +135,21 @@ def _sparse_fwd(
     qo_row = rows * D
     offs_d = tl.arange(0, D)
     q = tl.load(Q + qo_row[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    pos = tl.minimum(
-        tl.load(QPOS + b * T + t, mask=row_ok, other=-1), S - 1
-    )  # the last key a row may see
+    # the last key a row may see
+    pos = tl.minimum(tl.load(QPOS + b * T + t, mask=row_ok, other=-1), S - 1)
     c_row = b * C_B + h * C_H
     m_i = tl.full([BT * GP], float("-inf"), tl.float32)
     l_i = tl.zeros([BT * GP], tl.float32)
     acc = tl.zeros([BT * GP, D], tl.float32)
-    for i in range(
-        tl.load(T_N + prog)
-    ):  # the union of the blocks the tile's tokens selected, each read once for all
+    # the union of the blocks the tile's tokens selected, each read once for all
+    for i in range(tl.load(T_N + prog)):
         blk, bits = tl.load(T_IDX + prog * U + i), tl.load(T_BITS + prog * U + i)
         kb = KD.load([b, h, blk * B, 0]).reshape(B, D)  # zeros past S
         vb = VD.load([b, h, blk * B, 0]).reshape(B, D)
         tok = blk * B + tl.arange(0, B)
         s = _scores(q, kb, C, c_row, tok, S, scale2, HAS_BIAS)
-        last = tl.where(
-            ((bits >> (t - t0)) & 1) > 0, pos, -1
-        )  # the row's token selected the block, or none
+        # the row's token selected the block, or none
+        last = tl.where(((bits >> (t - t0)) & 1) > 0, pos, -1)
         s = tl.where(tok[None, :] <= last[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing allowed yet: add nothing
@@ -299,17 +295,15 @@ def _sparse_bwd_dkv(
                 )
             else:
                 row_ok = (t < T) & (g < G)
-                rows = (
-                    (b * T + t) * (H_kv * G) + h * G + g
-                )  # lse and delta (Bz, T, H_q): the tile's are contiguous
+                # lse and delta (Bz, T, H_q): the tile's are contiguous
+                rows = (b * T + t) * (H_kv * G) + h * G + g
                 lse2 = tl.load(LSE + rows, mask=row_ok, other=0.0) * LOG2E
                 delta = tl.load(DELTA + rows, mask=row_ok, other=0.0)
                 pos = tl.load(QPOS + b * T + t, mask=row_ok, other=-1)
             # transposed, (keys, rows): p^T and dS^T are the left operands of dV and dK as they come
             pT = tl.exp2(tl.dot(kb, tl.trans(q)) * scale2 + c_blk[:, None] - lse2[None, :])
-            sel = (((bits >> (t - t0)) & 1) > 0) & (
-                g < G
-            )  # the row's token selected the block; not a padded head
+            # the row's token selected the block; not a padded head
+            sel = (((bits >> (t - t0)) & 1) > 0) & (g < G)
             last = tl.where(sel, pos, -1)  # the last key each row may see here
             pT = tl.where(tok[:, None] <= last[None, :], pT, 0.0)
             dv += tl.dot(pT.to(do.dtype), do)
@@ -364,16 +358,14 @@ class SparseAttention(torch.autograd.Function):
         nT, U = sel.idx.shape[2], sel.idx.shape[3]
         # q and o in the projections' layout (Bz, T, H_q, d), as the model makes and reads them: not copied;
         # K and V (a prefill's keys so far, any aligned layout) through TMA descriptors, not copied either
-        q = (
-            q.transpose(1, 2).contiguous().transpose(1, 2)
-        )  # a view where q already is in that layout
+        # a view where q already is in that layout
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)
         q_pos = q_pos.to(torch.int32).contiguous()
         c = fp32(bias) if bias is not None else q.new_empty(1, 1, 1, dtype=torch.float32)
         c = c if c.stride(-1) == 1 else c.contiguous()  # read through its batch and head strides
         o = torch.empty_like(q)  # (Bz, H_q, T, d) in q's layout
-        lse = torch.empty(
-            Bz, T, H_q, device=q.device, dtype=torch.float32
-        )  # as q, so a tile's rows are contiguous
+        # as q, so a tile's rows are contiguous
+        lse = torch.empty(Bz, T, H_q, device=q.device, dtype=torch.float32)
         meta = dict(
             H_kv=H_kv,
             G=G,
@@ -412,16 +404,14 @@ class SparseAttention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, c, idx, bits, n, q_pos, o, lse = ctx.saved_tensors
         k, v, c = k.contiguous(), v.contiguous(), c.contiguous()
-        do = (
-            do.transpose(1, 2).contiguous().transpose(1, 2)
-        )  # q's layout (Bz, T, H_q, d), as q and o are
+        # q's layout (Bz, T, H_q, d), as q and o are
+        do = do.transpose(1, 2).contiguous().transpose(1, 2)
         meta = ctx.meta
         Bz, H_q, T, D = q.shape
         H_kv, S, G = k.shape[1], k.shape[2], meta["G"]
         nT, U, nb = idx.shape[2], idx.shape[3], triton.cdiv(S, meta["B"])
-        delta = torch.empty(
-            Bz, T, H_q, device=q.device, dtype=torch.float32
-        )  # rowsum(dO ∘ O), by the dq kernel
+        # rowsum(dO ∘ O), by the dq kernel
+        delta = torch.empty(Bz, T, H_q, device=q.device, dtype=torch.float32)
         scale2 = log2e_rsqrt(D)
         dq = torch.empty_like(q)
         kd, vd = (tma_descriptor(x, (1, 1, meta["B"], D)) for x in (k, v))
@@ -453,9 +443,8 @@ class SparseAttention(torch.autograd.Function):
         )
         dc = torch.zeros(Bz, H_kv, S, device=q.device, dtype=torch.float32)
         qd, dod = (tma_descriptor(x.transpose(1, 2), (1, ctx.BT, meta["GP"], D)) for x in (q, do))
-        row_tma = (
-            G % 4 == 0 and ctx.BT >= 4
-        )  # TMA: boxes' rows of at least 16 bytes, starting 16-byte aligned
+        # TMA: boxes' rows of at least 16 bytes, starting 16-byte aligned
+        row_tma = G % 4 == 0 and ctx.BT >= 4
         if row_tma:
             lse, delta = (tma_descriptor(x, (1, ctx.BT, meta["GP"])) for x in (lse, delta))
             q_pos = tma_descriptor(F.pad(q_pos, (0, -T % 4), value=-1), (1, ctx.BT))

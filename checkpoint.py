@@ -22,16 +22,13 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from config import Config
 from model import Transformer
 
-ROOT = os.path.dirname(
-    os.path.abspath(__file__)
-)  # defaults resolve here, whatever the working directory
+# defaults resolve here, whatever the working directory
+ROOT = os.path.dirname(os.path.abspath(__file__))
 EOT = "<|endoftext|>"  # the document separator of train.py's token streams: this format's end of sequence
-ADDED_LATER = {
-    "rope_scaling"
-}  # Config fields older checkpoints lack; their absence means what they meant then
-DEFAULT_CHECKPOINT = os.path.join(
-    ROOT, "checkpoints", "tiny-nosa"
-)  # the embedded model; train.py never writes it
+# Config fields older checkpoints lack; their absence means what they meant then
+ADDED_LATER = {"rope_scaling"}
+# the embedded model; train.py never writes it
+DEFAULT_CHECKPOINT = os.path.join(ROOT, "checkpoints", "tiny-nosa")
 
 
 def resolve(path):
@@ -107,17 +104,15 @@ def write(model, tokenizer, tmp, dtype, train_state, optimizer):
     with open(os.path.join(tmp, MARK), "w") as f:
         f.write("a directory of checkpoint.save; its next save or run removes it when it is left\n")
     sd = {k: v.detach().to(dtype or v.dtype).contiguous() for k, v in model.state_dict().items()}
-    sd = {
-        k: v.clone() if v.device.type == "cpu" else v.cpu() for k, v in sd.items()
-    }  # fused weights are views
+    # fused weights are views
+    sd = {k: v.clone() if v.device.type == "cpu" else v.cpu() for k, v in sd.items()}
     if model.cfg.tie_embeddings:
         sd.pop("lm_head.weight")
     save_file(sd, os.path.join(tmp, "model.safetensors"))
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(
-        os.path.join(tmp, "model.safetensors"), 0o666 & ~umask
-    )  # as readable as the files beside it
+    # as readable as the files beside it
+    os.chmod(os.path.join(tmp, "model.safetensors"), 0o666 & ~umask)
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(model.cfg.to_dict(), f, indent=1)
     tokenizer.save(os.path.join(tmp, "tokenizer.json"))
@@ -143,6 +138,7 @@ def write(model, tokenizer, tmp, dtype, train_state, optimizer):
         torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
 
 
+# what save writes
 FILES = (
     MARK,
     "model.safetensors",
@@ -153,7 +149,7 @@ FILES = (
     "chat_template.jinja",
     "train_state.json",
     "optimizer.pt",
-)  # what save writes
+)
 
 
 def foreign_files(path):
@@ -415,10 +411,8 @@ def load(path, device="cpu", dtype=None, **overrides):
         for k, v in model.state_dict().items()
         if not (cfg.tie_embeddings and k == "lm_head.weight")
     }
-    if cfg.attn in (
-        "full",
-        "infllmv2",
-    ):  # a mode without the eviction head reads a NOSA checkpoint too
+    # a mode without the eviction head reads a NOSA checkpoint too
+    if cfg.attn in ("full", "infllmv2"):
         for key in [k for k in shapes if k.endswith((".self_attn.A", ".self_attn.delta.weight"))]:
             del shapes[key], where[key]
     lacking, extra = sorted(want.keys() - shapes.keys()), sorted(shapes.keys() - want.keys())
@@ -443,9 +437,8 @@ def load(path, device="cpu", dtype=None, **overrides):
             f"checkpoint {path!r}: {bad[0]} has shape {shapes[bad[0]]}, the config needs {want[bad[0]]}"
         )
     sd = {}
-    for fname in sorted(
-        {f for f, _ in where.values()}
-    ):  # one tensor at a time, straight to its device
+    # one tensor at a time, straight to its device
+    for fname in sorted({f for f, _ in where.values()}):
         with safe_open(os.path.join(path, fname), framework="pt", device="cpu") as f:
             for key, (fn, name) in where.items():
                 if fn == fname:

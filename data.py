@@ -180,10 +180,8 @@ def prepare(data_dir, vocab_size, data=None, tokenizer=None, end=EOT):
     docs = documents(data)
     os.makedirs(data_dir, exist_ok=True)
     val = {name for name, _ in docs if is_val(name)}
-    if len(val) in (
-        0,
-        len(docs),
-    ):  # too few documents to hold some out: hold out the last 5% of each instead
+    # too few documents to hold some out: hold out the last 5% of each instead
+    if len(val) in (0, len(docs)):
         cut = [(name, int(0.95 * len(text))) for name, text in docs]
         docs = [(f"{n}:train", t[:c]) for (n, t), (_, c) in zip(docs, cut)] + [
             (f"{n}:val", t[c:]) for (n, t), (_, c) in zip(docs, cut)

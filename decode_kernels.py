@@ -78,9 +78,8 @@ def _block_decode(
             at = blk
         tok = blk * B + offs_n
         ok = (tok >= 0) & (tok <= pos)  # blk = -1 gives tok < 0
-        kv = (
-            r.to(tl.int64) * ROW + at * BLK + offs_n[:, None] * D + offs_d[None, :]
-        )  # caches past 2^31 elements
+        # caches past 2^31 elements
+        kv = r.to(tl.int64) * ROW + at * BLK + offs_n[:, None] * D + offs_d[None, :]
         kb = tl.load(KB + kv, mask=ok[:, None], other=0.0)
         vb = tl.load(VB + kv, mask=ok[:, None], other=0.0)
         s = tl.dot(q, tl.trans(kb)) * scale
@@ -156,9 +155,8 @@ def block_decode(q, kb, vb, ids, bias, pos, B, row, blk, tail, n_split=None):
     R, N = ids.shape
     H_kv = R // Bz
     G = H_q // H_kv
-    n_split = n_split or max(
-        1, min(N + tail, triton.cdiv(4 * n_sm(q), R))
-    )  # a few per multiprocessor
+    # a few per multiprocessor
+    n_split = n_split or max(1, min(N + tail, triton.cdiv(4 * n_sm(q), R)))
     GP = gp(G)
     o = torch.empty(R, n_split, GP, D, device=q.device, dtype=torch.float32)
     m = torch.empty(R, n_split, GP, device=q.device, dtype=torch.float32)
@@ -255,9 +253,8 @@ def dense_decode(q, k, v, pos, n_split=None, BN=64):
         k.stride() == v.stride() and k.stride()[2:] == (D, 1) and k.stride(0) == H_kv * k.stride(1)
     )
     R, G = Bz * H_kv, H_q // H_kv
-    n_split = n_split or max(
-        1, min(triton.cdiv(S, BN), triton.cdiv(2 * n_sm(q), R))
-    )  # fill the GPU
+    # fill the GPU
+    n_split = n_split or max(1, min(triton.cdiv(S, BN), triton.cdiv(2 * n_sm(q), R)))
     GP = gp(G)
     o = torch.empty(R, n_split, GP, D, device=q.device, dtype=torch.float32)
     m = torch.empty(R, n_split, GP, device=q.device, dtype=torch.float32)

@@ -30,9 +30,8 @@ import pooling
 from common import fp32, use_kernels
 
 
-@torch.amp.autocast(
-    "cuda", enabled=False
-)  # scores, bias and softmax stay in fp32 under bf16 autocast
+# scores, bias and softmax stay in fp32 under bf16 autocast
+@torch.amp.autocast("cuda", enabled=False)
 def eviction_score(v, A, W_delta):
     """c = A ⊙ softplus(W_δ · concat_h v): v (Bz, H_kv, T, d) -> c (Bz, H_kv, T), in fp32."""
     Bz, H_kv, T, d = v.shape
@@ -115,9 +114,8 @@ def best_first(ids, E, n):
         ids.gather(-1, order),
         E.gather(-1, order).masked_fill(ids.gather(-1, order) < 0, float("-inf")),
     )
-    order = torch.sort(E, dim=-1, descending=True, stable=True).indices[
-        ..., :n
-    ]  # stable: ties stay recent first
+    # stable: ties stay recent first
+    order = torch.sort(E, dim=-1, descending=True, stable=True).indices[..., :n]
     return ids.gather(-1, order), E.gather(-1, order)
 
 
@@ -184,9 +182,8 @@ def core_picks(ids, taken, n_core, nb):
     ids (..., n) the list, taken (..., n) bool -> a mask over the nb blocks (..., nb)."""
     pick = (ids >= 0) & ~taken
     pick &= pick.cumsum(-1) <= n_core
-    mask = torch.zeros(
-        *ids.shape[:-1], nb + 1, dtype=torch.bool, device=ids.device
-    )  # column nb: a spare
+    # column nb: a spare
+    mask = torch.zeros(*ids.shape[:-1], nb + 1, dtype=torch.bool, device=ids.device)
     return mask.scatter_(-1, torch.where(pick, ids, nb), True)[..., :nb]
 
 

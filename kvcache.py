@@ -125,14 +125,8 @@ class SubBlockCache:
     decode step needs of E. Stored here only: nosa.update_pooled changes it a token at a time, and
     a prompt's is written whole (prefill). Both caches use it."""
 
-    BUFFERS = (
-        "ring_k",
-        "ring_c",
-        "K_sub",
-        "c_sub",
-        "core_ids",
-        "core_E",
-    )  # one tensor per layer, a row per sequence
+    # one tensor per layer, a row per sequence
+    BUFFERS = ("ring_k", "ring_c", "K_sub", "c_sub", "core_ids", "core_E")
 
     def __init__(self, cfg, Bz, device, dtype, max_len=0):
         self.cfg = cfg
@@ -221,9 +215,8 @@ class KVCache(Cache):
         """Positions below which a decode step keeps its shapes (fast.GraphedDecode); 0: they change every step."""
         return self.max_len or 0
 
-    def S(
-        self,
-    ):  # tokens attention spans: all preallocated ones (static shapes), else exactly the context
+    # tokens attention spans: all preallocated ones (static shapes), else exactly the context
+    def S(self):
         return max(self.capacity(), int(self.len_cpu.max()) + 1)
 
     def n_blocks(self):  # the blocks selection ranges over

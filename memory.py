@@ -77,14 +77,8 @@ def max_batch(cfg, max_len, dtype, gpu_budget, host_budget=None, offload=True, l
     return lo
 
 
-PREFILL_CHUNKS = (
-    8192,
-    4096,
-    2048,
-    1024,
-    512,
-    256,
-)  # the chunk sizes a prefill may take, largest first
+# the chunk sizes a prefill may take, largest first
+PREFILL_CHUNKS = (8192, 4096, 2048, 1024, 512, 256)
 
 
 def prefill_bytes(cfg, T, C, dtype, stream_on_host=False):
@@ -98,21 +92,20 @@ def prefill_bytes(cfg, T, C, dtype, stream_on_host=False):
     H, H_q, d, dim = cfg.H_kv, cfg.H_q, cfg.head_dim, cfg.dim
     elt, C = torch.empty((), dtype=dtype).element_size(), min(C, T)
     nb = math.ceil(T / cfg.B)
+    # and RoPE's cos and sin (T, d/2) in fp32
     whole = (
         (0 if stream_on_host else T * dim * elt)
         + 2 * H * T * (2 * d * elt + 4)
         + H * (T // cfg.s_c + 1) * (d * elt + 4)
         + T * d * 4
-    )  # and RoPE's cos and sin (T, d/2) in fp32
+    )
     # q, k, v; the selection as tiles (attention_kernels.Tiles: at most k block ids and bits a query, int32)
     live = 2 * (H_q + 2 * H) * d * elt + 4 * dim * elt + (H * 8 * cfg.k if cfg.sparse else 0)
-    select = (
-        min(C, nosa_kernels.select_rows(nb)) * H * nb * 20 if cfg.sparse else 0
-    )  # the scores Q and their parts, fp32
+    # the scores Q and their parts, fp32
+    select = min(C, nosa_kernels.select_rows(nb)) * H * nb * 20 if cfg.sparse else 0
     peak = max(16 * H_q * d, 4 * cfg.hidden_dim * elt + dim * (8 + 2 * elt)) * C
-    ahead = (
-        C * dim * elt if stream_on_host else 0
-    )  # the next chunk of the stream, on its way (prefill.ResidualStream)
+    # the next chunk of the stream, on its way (prefill.ResidualStream)
+    ahead = C * dim * elt if stream_on_host else 0
     return whole + C * live + ahead + max(select, peak) + 2**27  # and 128 MiB for workspaces
 
 
@@ -218,9 +211,8 @@ def host_bytes_available():
     return None if avail is None else avail - min(max(avail // 10, 4 * 2**30), avail // 2)
 
 
-HOST_LEFT = (
-    6 * 2**30
-)  # host memory a run should leave the process and the OS beside the pinned store
+# host memory a run should leave the process and the OS beside the pinned store
+HOST_LEFT = 6 * 2**30
 
 
 def host_warning(need_host):

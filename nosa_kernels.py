@@ -30,10 +30,8 @@ def _ordered(s):
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
-MIN_KEY, MAX_KEY = (
-    tl.constexpr(-(2**63)),
-    tl.constexpr(2**63 - 1),
-)  # below and above every candidate's key
+# below and above every candidate's key
+MIN_KEY, MAX_KEY = (tl.constexpr(-(2**63)), tl.constexpr(2**63 - 1))
 
 
 @triton.jit
@@ -155,9 +153,8 @@ def _e_picks(
     key = _keys(QS, q_blk, ids >= 0, ids, nb, N_SINK, N_WIN)
     taken = (key > MIN_KEY) & (key >= kth) & (KQ > 0)  # Q's picks at the ids
     pick = (ids >= 0) & ~taken
-    many = (
-        j * 0 + tl.minimum(q_blk + 1, nb) > K
-    )  # more than k causal blocks (a vector: the interpreter's masks)
+    # more than k causal blocks (a vector: the interpreter's masks)
+    many = j * 0 + tl.minimum(q_blk + 1, nb) > K
     return ids, pick & (tl.cumsum(pick.to(tl.int32), 0) <= N_CORE) & many
 
 

@@ -50,12 +50,10 @@ def needed_blocks(sel, pos, active, H_kv, B, k):
     R, nb = sel.shape
     q_blk = (pos // B).repeat_interleave(H_kv)[:, None]  # (R, 1)
     b = torch.arange(nb, device=sel.device)
-    need = (
-        sel & (b != q_blk) & active.repeat_interleave(H_kv)[:, None]
-    )  # the tail is always on the device
-    col = torch.where(
-        need, need.cumsum(1) - 1, k
-    )  # the i-th needed block goes to column i; k is a spare
+    # the tail is always on the device
+    need = sel & (b != q_blk) & active.repeat_interleave(H_kv)[:, None]
+    # the i-th needed block goes to column i; k is a spare
+    col = torch.where(need, need.cumsum(1) - 1, k)
     ids = torch.full((R, k + 1), -1, dtype=torch.long, device=sel.device).scatter_(
         1, col, torch.where(need, b, -1)
     )
@@ -106,9 +104,8 @@ def set_difference(need, slot_block, block_slot, fetch):
     )
     miss = (need >= 0) & ~resident.gather(1, pad(need, cap))  # (R, n)
     free_first = torch.sort((slot_block >= 0).to(torch.uint8), dim=1, stable=True).indices  # (R, k)
-    slot = torch.where(
-        miss, free_first.gather(1, (miss.cumsum(1) - 1).clamp(min=0)), k
-    )  # (R, n), k = spare
+    # (R, n), k = spare
+    slot = torch.where(miss, free_first.gather(1, (miss.cumsum(1) - 1).clamp(min=0)), k)
     new = torch.full((R, k + 1), -1, dtype=need.dtype, device=need.device)
     new = new.scatter_(1, slot, torch.where(miss, need, -1))
     fetch.copy_(new[:, :k])
@@ -185,15 +182,12 @@ class Stats:
     def __init__(self, n_layer, R, unit_bytes, device):
         self.unit_bytes = unit_bytes
         new = lambda: torch.zeros(n_layer, R, dtype=torch.long, device=device)
-        self.needed, self.moved = (
-            new(),
-            new(),
-        )  # selected non-tail blocks; of those, gathered from host
+        # selected non-tail blocks; of those, gathered from host
+        self.needed, self.moved = new(), new()
         self.cold = new()  # gathered at a row's first step
         self.stepped = new()  # steps after the first
-        self.row_max = torch.zeros(
-            R, dtype=torch.long, device=device
-        )  # most one row gathered in one step
+        # most one row gathered in one step
+        self.row_max = torch.zeros(R, dtype=torch.long, device=device)
 
     def rows(self, a, b):
         """The counters of rows a..b-1 (views: they count into these)."""
@@ -269,9 +263,8 @@ class OffloadCache(Cache):
         memory.check_offload(cfg, Bz, max_len, dtype, self.device, gpu_budget, host_budget)
         super().__init__(cfg, Bz, device)
         self.pin = self.device.type == "cuda"
-        self.writes = (
-            torch.cuda.Stream(self.device) if self.pin else None
-        )  # a prefill's copies to the store
+        # a prefill's copies to the store
+        self.writes = torch.cuda.Stream(self.device) if self.pin else None
         self.host = [self._host_alloc(R, cap, dtype) for _ in range(L)]
         self.pool = [torch.zeros(R, k + 1, 2, B, d, dtype=dtype, device=device) for _ in range(L)]
         self.tail = [p[:, k] for p in self.pool]  # the last slot holds the tail block
@@ -282,9 +275,8 @@ class OffloadCache(Cache):
             torch.full((R, cap), -1, dtype=torch.long, device=device) for _ in range(L)
         ]
         self.fetch = [torch.full((R, k), -1, dtype=torch.long, device=device) for _ in range(L)]
-        self.fresh = [
-            torch.zeros(R, dtype=torch.bool, device=device) for _ in range(L)
-        ]  # prefilled, not decoded
+        # prefilled, not decoded
+        self.fresh = [torch.zeros(R, dtype=torch.bool, device=device) for _ in range(L)]
         cdt = torch.promote_types(dtype, torch.float32)
         self.c = [
             torch.zeros(Bz, H, max_len if cfg.eviction_head else 0, dtype=cdt, device=device)
@@ -292,10 +284,8 @@ class OffloadCache(Cache):
         ]
         self.sub = SubBlockCache(cfg, Bz, device, dtype, max_len)
         self.stats = Stats(L, R, unit, device)
-        self.part, self.pcie = (
-            False,
-            None,
-        )  # micro-batches (split): views; the stream of their gathers
+        # micro-batches (split): views; the stream of their gathers
+        self.part, self.pcie = False, None
 
     def _host_alloc(self, R, cap, dtype):
         cfg = self.cfg
@@ -328,17 +318,15 @@ class OffloadCache(Cache):
             x[:, : n_full * cfg.B].reshape(cfg.H_kv, n_full, cfg.B, cfg.head_dim) for x in (k, v)
         ]
         blocks = torch.stack(whole, 2)  # (H_kv, n_full, 2, B, d): the store's layout
-        if (
-            self.pin
-        ):  # to the pinned store on a stream of its own: the next layer computes meanwhile
+        # to the pinned store on a stream of its own: the next layer computes meanwhile
+        if self.pin:
             self.writes.wait_stream(torch.cuda.current_stream(self.device))
             blocks.record_stream(self.writes)  # its memory is not reused before the copies are done
         with torch.cuda.stream(self.writes):  # (None: the current stream)
             for h in range(cfg.H_kv):  # one contiguous copy each
                 self.host[layer][r.start + h, :n_full].copy_(blocks[h], non_blocking=self.pin)
-        if (
-            self.pin and layer == cfg.n_layer - 1
-        ):  # what reads the store on the device comes after every copy
+        # what reads the store on the device comes after every copy
+        if self.pin and layer == cfg.n_layer - 1:
             torch.cuda.current_stream(self.device).wait_stream(self.writes)
         tail = torch.stack([k[:, n_full * cfg.B :], v[:, n_full * cfg.B :]], 1)
         self.put(seq, self.tail[layer], (r, slice(None), slice(0, T - n_full * cfg.B)), tail)

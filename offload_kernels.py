@@ -104,9 +104,8 @@ def _flush_tails_kernel(
         b = p // B
         offs_k = tl.arange(0, KP)
         sb = tl.load(SLOT_BLOCK + row * k + offs_k, mask=offs_k < k, other=0)
-        s = tl.min(
-            tl.where(sb < 0, offs_k, k), 0
-        )  # the first free slot (k: none, which cannot happen)
+        # the first free slot (k: none, which cannot happen)
+        s = tl.min(tl.where(sb < 0, offs_k, k), 0)
         tail = POOL + (row * (k + 1) + k) * U
         U_slot = tl.where(s < k, U, 0)  # what to copy into the slot
         for i in range(0, U, BLOCK):
@@ -317,9 +316,8 @@ def _write_tail_kernel(
     r = tl.program_id(0)  # (sequence, KV head)
     p = tl.load(POS + r // H_kv)
     dd = tl.arange(0, D)
-    tail = (
-        POOL + ((r * (KS + 1) + KS) * 2 * B + p % B) * D
-    )  # K of slot k, row p % B; V after B rows
+    # K of slot k, row p % B; V after B rows
+    tail = POOL + ((r * (KS + 1) + KS) * 2 * B + p % B) * D
     tl.store(tail + dd, tl.load(K + r * D + dd))
     tl.store(tail + B * D + dd, tl.load(V + r * D + dd))
     if HAS_C:

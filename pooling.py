@@ -71,9 +71,8 @@ def query_aware_scores(q, K_sub, q_pos, nb, cfg):
     Bz, H_q, T, d = q.shape
     H_kv, M = K_sub.shape[1], K_sub.shape[2]
     qg = fp32(q).view(Bz, H_kv, H_q // H_kv, T, d)
-    logits = torch.einsum("bhgtd,bhmd->bhgtm", qg, fp32(K_sub)) / math.sqrt(
-        d
-    )  # (Bz, H_kv, G, T, M)
+    # (Bz, H_kv, G, T, M)
+    logits = torch.einsum("bhgtd,bhmd->bhgtm", qg, fp32(K_sub)) / math.sqrt(d)
     m_end = torch.arange(M, device=q.device) * cfg.s_c + cfg.l_c - 1  # last token of each sub-block
     visible = (m_end <= q_pos[..., None])[:, None, None]  # (Bz, 1, 1, T, M)
     P = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)

@@ -58,23 +58,19 @@ def _qscore_kernel(
     t, g = tile * BT + r // GP, r % GP  # row = (token, head of the group)
     row_ok = (t < T) & (g < G)
     offs_d = tl.arange(0, D)
-    rows = (
-        b * Q_B + (t * (H_kv * G) + h * G + g) * D
-    )  # q in the projections' layout (Bz, T, H_q, d), batch stride Q_B
+    # q in the projections' layout (Bz, T, H_q, d), batch stride Q_B
+    rows = b * Q_B + (t * (H_kv * G) + h * G + g) * D
     q = tl.load(Q + rows[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     pos = tl.load(QPOS + b * T + t, mask=row_ok, other=-1)
     scale2 = scale * 1.4426950408889634  # log2 e: exp(x) = exp2(x log2 e)
-    p_last = (
-        tl.max(pos, 0) + 1
-    )  # tokens the tile's last query sees: sub-blocks from M_VIS on are hidden from all
+    # tokens the tile's last query sees: sub-blocks from M_VIS on are hidden from all
+    p_last = tl.max(pos, 0) + 1
     M_VIS = tl.minimum(tl.where(p_last >= L_C, (p_last - L_C) // S_C + 1, 0), M)
-    p_first = (
-        tl.min(tl.where(row_ok, pos, 2**30), 0) + 1
-    )  # and its first: all rows see the sub-blocks before M_ALL
+    # and its first: all rows see the sub-blocks before M_ALL
+    p_first = tl.min(tl.where(row_ok, pos, 2**30), 0) + 1
     M_ALL = tl.minimum(tl.where(p_first >= L_C, (p_first - L_C) // S_C + 1, 0), M)
-    m_full = tl.where(
-        (G == GP) & (tile * BT + BT <= T), M_ALL // BM * BM, 0
-    )  # tiles no mask needs to touch
+    # tiles no mask needs to touch
+    m_full = tl.where((G == GP) & (tile * BT + BT <= T), M_ALL // BM * BM, 0)
     # pass 1: each row's log-sum-exp over the sub-blocks it sees, in base 2. The exponentials are taken
     # against one reference per row, the largest of its products in the first tile, so the loop keeps
     # no running maximum; only where a later product exceeds that reference by about 2^7 (a sum of
@@ -82,9 +78,8 @@ def _qscore_kernel(
     m_i, l_i = _stats_first_ref(q, KD, b, h, pos, M, M_VIS, m_full, scale2, BM, D, S_C, L_C)
     if tl.max((l_i == float("inf")).to(tl.int32), 0) > 0:
         m_i, l_i = _stats_online(q, KD, b, h, pos, M, M_VIS, m_full, scale2, BM, D, S_C, L_C)
-    lse = m_i + tl.log2(
-        tl.where(l_i > 0, l_i, 1.0)
-    )  # rows that see nothing: lse = 0 (P = 0 in pass 2)
+    # rows that see nothing: lse = 0 (P = 0 in pass 2)
+    lse = m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0))
     # pass 2: P = exp2(s - lse) summed over the heads of the group, max-pooled to blocks (_pool_store);
     # up to M_VIS from the products, then P = 0 (sub-blocks no query of the tile sees: no products).
     # The products are taken transposed, K̃ q^T: a thread of the tensor cores' tile then holds a quarter
@@ -226,14 +221,12 @@ def _pool_store(
     one block; the first of the NBT blocks takes `carry`, the last p of the block before them).
     Returns the carry of the next NBT blocks."""
     i = tl.arange(0, NBT)
-    P = tl.where(
-        (m0 + tl.arange(0, NBT * R_SUB) < M)[None, :], P, float("-inf")
-    )  # sub-blocks that do not exist yet
+    # sub-blocks that do not exist yet
+    P = tl.where((m0 + tl.arange(0, NBT * R_SUB) < M)[None, :], P, float("-inf"))
     P3 = tl.reshape(P, (BT, NBT, R_SUB))
     own = tl.max(P3, 2)  # (BT, NBT): max over each block's own r sub-blocks
-    if (
-        P_OVER == 1
-    ):  # the defaults: the block's last sub-block itself, taken from its thread, not a max
+    # the defaults: the block's last sub-block itself, taken from its thread, not a max
+    if P_OVER == 1:
         last = tl.reshape(
             tl.gather(P3, tl.full([BT, NBT, 1], R_SUB - 1, tl.int32), axis=2), (BT, NBT)
         )
@@ -241,9 +234,8 @@ def _pool_store(
         last = tl.max(
             tl.where(tl.arange(0, R_SUB)[None, None, :] >= R_SUB - P_OVER, P3, float("-inf")), 2
         )
-    before = tl.gather(
-        last, tl.maximum(i - 1, 0)[None, :] + 0 * t_tok[:, None], axis=1
-    )  # last[:, j - 1]
+    # last[:, j - 1]
+    before = tl.gather(last, tl.maximum(i - 1, 0)[None, :] + 0 * t_tok[:, None], axis=1)
     before = tl.where(i[None, :] == 0, carry[:, None], before)
     blocks = m0 // R_SUB + i
     out = (bh * T + t_tok[:, None]) * NB + blocks[None, :]
@@ -262,15 +254,11 @@ def query_aware_scores(q, K_sub, q_pos, nb, cfg):
     BT = max(1, 128 // GP)  # about 128 rows x 64 sub-blocks a tile: the fastest of a sweep
     NBT = max(1, 64 // r)
     out = torch.empty(Bz, H_kv, T, nb, device=q.device, dtype=torch.float32)
-    if q.stride()[1:] != (
-        D,
-        H_q * D,
-        1,
-    ):  # q in the projections' layout, as the model makes it: a view, not copied
+    # q in the projections' layout, as the model makes it: a view, not copied
+    if q.stride()[1:] != (D, H_q * D, 1):
         q = q.transpose(1, 2).contiguous().transpose(1, 2)
-    kd = tma_descriptor(
-        K_sub, (1, 1, NBT * r, D)
-    )  # K̃ may be a view of a longer buffer (a prefill's so far)
+    # K̃ may be a view of a longer buffer (a prefill's so far)
+    kd = tma_descriptor(K_sub, (1, 1, NBT * r, D))
     _qscore_kernel[(triton.cdiv(T, BT), Bz * H_kv)](
         q,
         kd,
@@ -373,15 +361,13 @@ def _qscore1_blocks(
     ok_g = (offs_g < G)[:, None]
     # the blocks' own sub-blocks: m = b * r ... b * r + r - 1, contiguous over the chunk
     m = cb * NBT * R_SUB + tl.arange(0, NBT * R_SUB)
-    s = tl.load(
-        row[:, None] + m[None, :], mask=ok_g & (m < M)[None, :], other=float("-inf")
-    )  # (GP, NBT * r)
+    # (GP, NBT * r)
+    s = tl.load(row[:, None] + m[None, :], mask=ok_g & (m < M)[None, :], other=float("-inf"))
     P = tl.sum(tl.exp(s - m_g[:, None]) / l_g[:, None], 0)
     P3 = tl.reshape(tl.where(m < M, P, float("-inf")), (NBT, R_SUB))
     own = tl.max(P3, 1)  # (NBT,)
-    last = tl.max(
-        tl.where(tl.arange(0, R_SUB)[None, :] >= R_SUB - P_OVER, P3, float("-inf")), 1
-    )  # (NBT,)
+    # (NBT,)
+    last = tl.max(tl.where(tl.arange(0, R_SUB)[None, :] >= R_SUB - P_OVER, P3, float("-inf")), 1)
     # the p sub-blocks before the tile (the block before its first), then last shifted by one block
     j = tl.arange(0, PP)
     m = cb * NBT * R_SUB - P_OVER + j
@@ -391,9 +377,8 @@ def _qscore1_blocks(
         tl.where(ok, tl.sum(tl.exp(s - m_g[:, None]) / l_g[:, None], 0), float("-inf")), 0
     )
     i = tl.arange(0, NBT)
-    before = tl.max(
-        tl.where(i[:, None] == i[None, :] + 1, last[None, :], float("-inf")), 1
-    )  # last[i - 1]
+    # last[i - 1]
+    before = tl.max(tl.where(i[:, None] == i[None, :] + 1, last[None, :], float("-inf")), 1)
     before = tl.where(i == 0, first, before)
     blk = cb * NBT + i
     tl.store(OUT + r * NB + blk, tl.maximum(own, before), mask=blk < NB)

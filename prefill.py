@@ -98,10 +98,8 @@ class PromptLayer:
             self.c[:, :, start:e] = c
         if not cfg.sparse:
             return self.k[:, :, :e], self.v[:, :, :e], None, None
-        m0, m1 = (
-            cfg.n_subblocks(start),
-            cfg.n_subblocks(e),
-        )  # the sub-blocks it completes
+        # the sub-blocks it completes
+        m0, m1 = cfg.n_subblocks(start), cfg.n_subblocks(e)
         if m1 > m0:
             t0 = m0 * cfg.s_c  # the first token of sub-block m0, at or before start
             self.K_sub[:, :, m0:m1] = pooling.compress_keys(self.k[:, :, t0:e], cfg)
@@ -154,18 +152,15 @@ class ResidualStream:
                 h = self.x[:, s : s + self.C]
             else:
                 h, ready = nxt or self.fetch(s)
-                torch.cuda.current_stream().wait_event(
-                    ready
-                )  # this chunk is here (the copies after it may run on)
-                h.record_stream(
-                    torch.cuda.current_stream()
-                )  # its memory is not reused before the compute is done
+                # this chunk is here (the copies after it may run on)
+                torch.cuda.current_stream().wait_event(ready)
+                # its memory is not reused before the compute is done
+                h.record_stream(torch.cuda.current_stream())
             if self.copies is not None:  # what comes next, on its way
                 if s + self.C < self.T:
                     nxt = None if first is not None else self.fetch(s + self.C)
-                elif (
-                    more and s > 0
-                ):  # queued after this pass's writes of the chunks before, chunk 0's among them
+                # queued after this pass's writes of the chunks before, chunk 0's among them
+                elif more and s > 0:
                     self.ahead = self.fetch(0)
             yield s, h
 

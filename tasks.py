@@ -42,9 +42,8 @@ def task_pieces(kind, rng):
         keys = [f"KEY_{''.join(n)}_{i}" for i, n in enumerate(names)]
         values = [int(v) for v in rng.integers(10, 1000, size=4)]
         asked = int(rng.integers(0, 4))
-        order = [asked] + [
-            i for i in range(4) if i != asked
-        ]  # the asked fact first: the farthest back
+        # the asked fact first: the farthest back
+        order = [asked] + [i for i in range(4) if i != asked]
         facts = [f"\nassert {keys[i]} == {values[i]}\n" for i in order]
         return facts, f"\nassert {keys[asked]} ==", f" {values[asked]}\n"
     if kind == "chain":

@@ -532,6 +532,7 @@ def train_steps(
                 )
             if master and (step % o.eval_every == 0 or step == stop_at):
                 val_loss = evaluate(raw, val_data, o.batch_size, o.seq_len, device)
+                # how far they moved from their start at 0
                 gates = (
                     ""
                     if not evict
@@ -540,7 +541,7 @@ def train_steps(
                         " ".join(f"{a:+.2f}" for a in layer.self_attn.A.tolist())
                         for layer in raw.layers
                     )
-                )  # how far they moved from their start at 0
+                )
                 print(f"step {step} | val loss {val_loss:.3f}{gates}", flush=True)
                 state = dict(
                     step=step,

@@ -32,9 +32,8 @@ def block_mass(q, k, c, cfg, t0):
     if c is not None:
         logits = logits + eviction.attention_bias(c[0].float(), cfg.attn)[:, None, None, :]
     causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()[t0:]
-    p = torch.softmax(logits.masked_fill(~causal, float("-inf")), -1).mean(
-        1
-    )  # (H_kv, T', S) over the group
+    # (H_kv, T', S) over the group
+    p = torch.softmax(logits.masked_fill(~causal, float("-inf")), -1).mean(1)
     nb = cfg.n_blocks(T)
     return torch.nn.functional.pad(p, (0, nb * B - T)).view(H_kv, T - t0, nb, B).sum(-1)
 
@@ -58,9 +57,8 @@ def layer_shares(q, k, c, cfg, t0, generator):
     )
     by_e = eviction.core_blocks(E[:, None, :].expand(H_kv, len(pos), nb), cand, n)
     by_recency = cand & (b >= q_blk - cfg.n_win - n)
-    noise = torch.rand(H_kv, len(pos), nb, generator=generator).to(
-        dev
-    )  # the CPU generator: the same draw anywhere
+    # the CPU generator: the same draw anywhere
+    noise = torch.rand(H_kv, len(pos), nb, generator=generator).to(dev)
     at_random = eviction.core_blocks(noise, cand.expand_as(noise), n)
     ok = cand.sum(-1) > n  # positions where the core is a real choice
     return [

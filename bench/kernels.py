@@ -49,10 +49,8 @@ def bench_prefill(
         do = torch.randn_like(q)
         reps = max(3, 2**17 // T * 4)
         ms = lambda f: timed(f, reps)
-        q_c, do_c = (
-            q.detach().contiguous().requires_grad_(bwd),
-            do.contiguous(),
-        )  # SDPA reads a contiguous q
+        # SDPA reads a contiguous q
+        q_c, do_c = (q.detach().contiguous().requires_grad_(bwd), do.contiguous())
         t_sdpa, sdpa_fwd, t_fa2 = sdpa_at_its_best(q_c, k, v, None, reps)
         t_sdpa_fb, sdpa_fb, t_fa2_fb = (
             sdpa_at_its_best(q_c, k, v, do_c, reps) if bwd else (None, None, None)
@@ -224,6 +222,7 @@ def bench_decode(H_q=32, H_kv=2, d=128):
             mask[..., -1] = True  # the query's own block
             qpos = pos[:, None]
             tiles = attention_kernels.Tiles.from_mask(mask, 1, cfg.k)
+            # the training kernel
             t_res = do_bench(
                 lambda: attention_kernels.SparseAttention.apply(
                     q, kk, vv, bias, tiles, qpos, cfg.B
@@ -231,7 +230,7 @@ def bench_decode(H_q=32, H_kv=2, d=128):
                 warmup=20,
                 rep=200,
                 return_mode="median",
-            )  # the training kernel
+            )
             t_res_dec = graph_time(
                 lambda: decode_kernels.sparse_decode(q, kk, vv, bias, mask, pos, cfg.B, cfg.k)
             )

@@ -8,13 +8,14 @@ import torch.nn.functional as F
 import checkpoint
 
 # name -> (the model in ckpts/tiny-NAME, the attention it decodes with; None: the one it was trained with)
+# the training-free baseline
 SYSTEMS = {
     "nosa": ("nosa", None),
     "full": ("full", None),
     "infllmv2": ("infllmv2", None),
     "dma": ("dma", None),
     "full-as-infllmv2": ("full", "infllmv2"),
-}  # the training-free baseline
+}
 
 
 def trained_path(ckpts, attn):
@@ -54,15 +55,13 @@ def bench_quality(
     if unknown:
         raise ValueError(f"unknown system(s) {sorted(unknown)}; choose from {list(SYSTEMS)}")
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    paths = {
-        SYSTEMS[s][0]: trained_path(ckpts, SYSTEMS[s][0]) for s in systems
-    }  # all there before any work
+    # all there before any work
+    paths = {SYSTEMS[s][0]: trained_path(ckpts, SYSTEMS[s][0]) for s in systems}
     judge_path = judge or trained_path(ckpts, "full")
     judge, tok = checkpoint.load(judge_path, dev, torch.float32)
     judge.check_length(prompt_len, gen_len)
-    eot = tok.token_to_id(
-        corpus.EOT
-    )  # the held-out files of the default corpus, as train.py splits them
+    # the held-out files of the default corpus, as train.py splits them
+    eot = tok.token_to_id(corpus.EOT)
     val = torch.tensor(
         [
             i

@@ -141,9 +141,8 @@ def eviction_at_the_question(model, ids, t, v, n):
             rest = cf[:, ~value]
             row["c_fact_z"] = ((cf[:, value].mean(-1) - rest.mean(-1)) / rest.std(-1)).mean().item()
             E = eviction.eviction_block_scores(pooling.pool_mean(c, cfg), nb, cfg)[0]  # (H_kv, nb)
-            below = ((E <= E[:, b_fact : b_fact + 1]) & cand).sum(
-                -1
-            ).float() - 1  # the others at or below it
+            # the others at or below it
+            below = ((E <= E[:, b_fact : b_fact + 1]) & cand).sum(-1).float() - 1
             row["E_rank_fact"] = (below / max(int(cand.sum()) - 1, 1)).mean().item()
         if cand[b_fact]:
             mass = block_mass(q, k, c, cfg, t)[:, -1]  # (H_kv, nb): the question's dense attention
@@ -215,14 +214,8 @@ def gradient_on_the_value(model, case, offset=None):
     ).abs().mean().item()
 
 
-DISTANCES = (
-    128,
-    256,
-    512,
-    1024,
-    2048,
-    4000,
-)  # bench_recall's bins, in tokens from the fact to the question
+# bench_recall's bins, in tokens from the fact to the question
+DISTANCES = (128, 256, 512, 1024, 2048, 4000)
 
 
 def bench_recall(
@@ -245,9 +238,8 @@ def bench_recall(
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
-    paths = {
-        SYSTEMS[s][0]: trained_path(ckpts, SYSTEMS[s][0]) for s in systems
-    }  # all there before any work
+    # all there before any work
+    paths = {SYSTEMS[s][0]: trained_path(ckpts, SYSTEMS[s][0]) for s in systems}
     first = next(iter(paths.values()))
     _, tok = checkpoint.load(first)
     val = held_out_tokens(first, tok)
@@ -282,11 +274,8 @@ def bench_recall(
                 row["hit_rate"] = round(1 - s.moved.sum().item() / max(s.needed.sum().item(), 1), 3)
                 for kind in ("forced", "Q", "E", "none"):
                     row[f"fact_{kind}"] = round(where.count(kind) / len(where), 3)
-            for key in (
-                "dense_fact",
-                "c_fact_z",
-                "E_rank_fact",
-            ):  # means over cases, layers and KV heads
+            # means over cases, layers and KV heads
+            for key in ("dense_fact", "c_fact_z", "E_rank_fact"):
                 if any(key in r for r in ev):
                     row[key] = round(float(np.mean([r[key] for r in ev if key in r])), 3)
             if cfg.eviction_head:
@@ -342,10 +331,8 @@ def bench_head(
 
     _, tok = checkpoint.load(ckpt)
     val = held_out_tokens(ckpt, tok)
-    train_fill, test_fill = (
-        val[: len(val) // 2],
-        val[len(val) // 2 :],
-    )  # tasks to learn from and to test on
+    # tasks to learn from and to test on
+    train_fill, test_fill = (val[: len(val) // 2], val[len(val) // 2 :])
     rows = []
     for init in ("as trained", "A = 1, W_δ = 0"):
         model, _ = checkpoint.load(ckpt, dtype=torch.float32)
@@ -360,9 +347,8 @@ def bench_head(
         for phase in ("before", "after"):
             if phase == "after":
                 losses = train_head(model, tok, train_fill, steps, np.random.default_rng(seed))
-            with (
-                torch.no_grad()
-            ):  # what the heads cost the text: the held-out half's loss, 6 x 8 windows
+            # what the heads cost the text: the held-out half's loss, 6 x 8 windows
+            with torch.no_grad():
                 text_loss = train.evaluate(
                     model, test_fill, 8, 1024, torch.device("cpu"), n_batches=6
                 )
@@ -371,9 +357,8 @@ def bench_head(
                 with torch.no_grad():
                     loss = np.mean([answer_loss(model, c[0], c[1], c[2]).item() for c in cs])
                 where, ev = fact_standing(model, cs[:where_cases])
-                z = [
-                    r["c_fact_z"] for r in ev if np.isfinite(r.get("c_fact_z", np.nan))
-                ]  # none while c is constant
+                # none while c is constant
+                z = [r["c_fact_z"] for r in ev if np.isfinite(r.get("c_fact_z", np.nan))]
                 row = dict(
                     init=init,
                     phase=phase,

@@ -139,9 +139,8 @@ def bench_requests(
         if Bz > 1:  # the other rows: random prompts of the same length, as if prefilled
             fill_random(cache, cfg, Bz, prompt_len, dev, dtype, first=1)
         t_step = timed_steps(GraphedDecode(model, cache), Bz, cfg, steps, dev, sync)
-        last = (
-            requests % Bz if requests > Bz else 0
-        )  # the last batch's sequences, where it is smaller
+        # the last batch's sequences, where it is smaller
+        last = requests % Bz if requests > Bz else 0
         if last:  # its own step, on a cache of that many rows
             del cache
             free(cuda)

@@ -15,11 +15,8 @@ from bench.quality import trained_path
 from config import Config
 from prefill import prefill
 
-SHAPES = {
-    "tiny": ("tiny", {}),
-    "1b": ("paper", {}),
-    "8b": ("paper-8b", {}),
-}  # random-weight models: config.PRESETS
+# random-weight models: config.PRESETS
+SHAPES = {"tiny": ("tiny", {}), "1b": ("paper", {}), "8b": ("paper-8b", {})}
 PHASES = ("weights", "selection", "transfer", "attention")
 
 
@@ -38,9 +35,8 @@ def split_by_phase(step, tok, n, cuda):
         if cuda:
             torch.cuda.synchronize()
         total = (time.perf_counter() - t0) * 1e3 / n
-    ev = (
-        prof.key_averages()
-    )  # on a GPU each range is listed twice: the host's and the device's (no host time)
+    # on a GPU each range is listed twice: the host's and the device's (no host time)
+    ev = prof.key_averages()
     ms = {
         p: max((e.cpu_time_total for e in ev if e.key == p), default=0.0) / 1e3 / n
         for p in PHASES[1:]
@@ -156,13 +152,11 @@ def bench_throughput(
         torch.manual_seed(0)
         if ckpts:
             model, tok = checkpoint.load(trained_path(ckpts, attn), dev, dtype, max_seq_len=max_len)
-            prompts = prompts or real_prompts(
-                tok, batch_limit, prompt_len
-            )  # one tokenizer for all of them
+            # one tokenizer for all of them
+            prompts = prompts or real_prompts(tok, batch_limit, prompt_len)
         else:
-            with torch.device(
-                dev
-            ):  # initialised where it runs: an 8B model would take minutes on the host
+            # initialised where it runs: an 8B model would take minutes on the host
+            with torch.device(dev):
                 model = Transformer(replace(base, attn=attn)).to(dtype)
         model.eval()
         if cuda:  # the decode step's small operations compiled, as generate.py does for long runs
@@ -208,9 +202,8 @@ def bench_throughput(
                 fill_random(cache, cfg, Bz, prompt_len, dev, dtype)
             tok_ = torch.randint(0, cfg.vocab_size, (Bz,), device=dev)
             step = lambda t: model.decode(t, cache).argmax(-1)  # the eager step
-            for _ in range(
-                2
-            ):  # the first step after prefill gathers whole selections; first calls compile
+            # the first step after prefill gathers whole selections; first calls compile
+            for _ in range(2):
                 tok_ = step(tok_)
 
             def timed(fn, n):
@@ -238,9 +231,8 @@ def bench_throughput(
                 moved1 = cache.stats.moved.sum().item()
                 hit_rate = 1 - (moved1 - moved0) / max(cache.stats.needed.sum().item() - needed0, 1)
                 moved0 = moved1
-            tok_, split, gather_ms = split_by_phase(
-                step, tok_, eager_steps, cuda
-            )  # last: bench/__init__.py
+            # last: bench/__init__.py
+            tok_, split, gather_ms = split_by_phase(step, tok_, eager_steps, cuda)
             if use_offload:  # gather kernel time and bytes over the profiled steps
                 moved = (
                     (cache.stats.moved.sum().item() - moved0) * cache.stats.unit_bytes / eager_steps
@@ -270,9 +262,8 @@ def bench_throughput(
                 pcie_gb_s=round(moved / gather_ms / 1e6, 1) if gather_ms > 0 else None,
             )
             if cuda:
-                row["gather_over_bound"] = round(
-                    gather_ms / (moved / pcie / 1e6), 2
-                )  # bound: bytes / contiguous GB/s
+                # bound: bytes / contiguous GB/s
+                row["gather_over_bound"] = round(gather_ms / (moved / pcie / 1e6), 2)
         if cuda:  # the bound: what the step must read from HBM, and move over PCIe, at the measured bandwidths
             elt, rows_ = torch.finfo(dtype).bits // 8, Bz * cfg.n_layer * cfg.H_kv
             if not cfg.sparse:  # every cached token's K and V
@@ -294,7 +285,6 @@ def bench_throughput(
         cache = model = graphed = None  # freed before the next system's
         if cuda:
             torch.cuda.empty_cache()
-            getattr(
-                torch._C, "_host_emptyCache", lambda: None
-            )()  # hand the pinned store back before the next one
+            # hand the pinned store back before the next one
+            getattr(torch._C, "_host_emptyCache", lambda: None)()
     return rows

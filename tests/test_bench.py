@@ -28,9 +28,8 @@ def test_throughput_bench_small():
         "nosa + offload",
         "nosa, resident cache",
     }
-    assert (
-        by["nosa + offload"]["batch"] > by["nosa, resident cache"]["batch"] > 0
-    )  # offload fits more sequences
+    # offload fits more sequences
+    assert by["nosa + offload"]["batch"] > by["nosa, resident cache"]["batch"] > 0
     cfg = Config.from_preset("tiny")
     # the theorem: the k_e query-agnostic blocks of the k - 1 selected non-tail blocks are resident
     assert (
@@ -39,9 +38,8 @@ def test_throughput_bench_small():
         == round(cfg.k_e / (cfg.k - 1), 3)
     )
     nosa = by["nosa + offload"]
-    unit_mb = (
-        2 * cfg.B * cfg.head_dim * (2 if torch.cuda.is_available() else 4) / 1e6
-    )  # K and V of one block
+    # K and V of one block
+    unit_mb = 2 * cfg.B * cfg.head_dim * (2 if torch.cuda.is_available() else 4) / 1e6
     # at most k_q - 1 new blocks per (sequence, layer, KV head) and step
     assert (
         0
@@ -156,9 +154,8 @@ def test_quality_bench_on_the_embedded_model(tmp_path):
     shutil.copytree(checkpoint.DEFAULT_CHECKPOINT, tmp_path / "tiny-nosa")
     with pytest.raises(ValueError, match="unknown system"):
         bench_quality(tmp_path, systems=("nosa", "sliding"))
-    with pytest.raises(
-        FileNotFoundError, match="train.py --attn full"
-    ):  # the default judge is tiny-full
+    # the default judge is tiny-full
+    with pytest.raises(FileNotFoundError, match="train.py --attn full"):
         bench_quality(tmp_path, systems=("nosa",))
     (row,) = bench_quality(
         tmp_path,
@@ -212,9 +209,8 @@ def test_requests_bench_small():
     assert by["nosa + offload"]["batch"] > by["full, resident cache"]["batch"] == 2
     for r in rows:
         assert r["G16"]["total_s"] > 0 and r["decode_tokens_s"] > 0 and r["ttft_one_s"] > 0
-        assert ("last_batch" in r) == (
-            5 % r["batch"] > 0 and r["batch"] < 5
-        )  # a smaller last batch: its own step
+        # a smaller last batch: its own step
+        assert ("last_batch" in r) == (5 % r["batch"] > 0 and r["batch"] < 5)
         if "last_batch" in r:
             assert r["last_batch"] == 5 % r["batch"] and r["last_step_ms"] > 0
     assert by["full, resident cache"]["G16"]["vs_full"] == 1.0
@@ -242,9 +238,8 @@ def test_recall_bench_on_the_embedded_model(tmp_path, monkeypatch):
 
     shutil.copytree(checkpoint.DEFAULT_CHECKPOINT, tmp_path / "tiny-nosa")
     cfg = checkpoint.load(checkpoint.DEFAULT_CHECKPOINT)[0].cfg
-    far = (
-        cfg.max_seq_len - 64
-    )  # cases of max_seq_len tokens: with the longest answer after every prompt, too long
+    # cases of max_seq_len tokens: with the longest answer after every prompt, too long
+    far = cfg.max_seq_len - 64
     rows = bench_recall(
         tmp_path,
         systems=("nosa",),

@@ -102,9 +102,8 @@ def test_hf_checkpoint_loads_exactly(tmp_path):
     got = model.state_dict()
     assert len(got) == len(sd)
     for name, t in sd.items():
-        assert torch.equal(got[name.removeprefix("model.")], t), (
-            name
-        )  # every tensor arrived exactly
+        # every tensor arrived exactly
+        assert torch.equal(got[name.removeprefix("model.")], t), name
     assert model.chat_template.startswith("{% for m in messages")
     assert tok.encode("def f(x):").ids
 

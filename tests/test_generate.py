@@ -114,9 +114,8 @@ def test_single_prompt_streams_its_text(capsys):
     printed = capsys.readouterr().out
     model, tok = checkpoint.load(checkpoint.DEFAULT_CHECKPOINT, dtype=torch.float32)
     assert printed.startswith("def parse(" + tok.decode(out[0]) + "\n---\n")
-    assert model.eos_ids == {
-        tok.token_to_id(checkpoint.EOT)
-    }  # this format ends where a document ends
+    # this format ends where a document ends
+    assert model.eos_ids == {tok.token_to_id(checkpoint.EOT)}
 
 
 def test_cpu_generation_runs_on_one_thread(monkeypatch):
@@ -138,9 +137,8 @@ def test_profile_trace_marks_the_parts_of_a_step(tmp_path):
 
 
 def test_without_the_embedded_model_a_random_one_runs(monkeypatch, capsys):
-    monkeypatch.setattr(
-        generate.os.path, "isdir", lambda p: False
-    )  # as if checkpoints/ were missing
+    # as if checkpoints/ were missing
+    monkeypatch.setattr(generate.os.path, "isdir", lambda p: False)
     out = generate.main(max_new_tokens=5, offload=True, device="cpu", quiet=True)
     assert len(out[0]) == 5 and "randomly initialised" in capsys.readouterr().out
 
@@ -157,12 +155,10 @@ def test_memory_plan_picks_the_chunk_and_says_what_fits():
         memory.plan_memory(cfg, weights, 40, P, P + 1024, torch.bfloat16, budget)
     n = int(str(e.value).split("at most ")[1].split()[0])
     chunk, on_host = memory.plan_memory(cfg, weights, n, P, P + 1024, torch.bfloat16, budget)
-    assert (
-        chunk in memory.PREFILL_CHUNKS and n >= 28
-    )  # the benchmark's batch, with a prefill beside it
-    assert (
-        memory.prefill_bytes(cfg, P, chunk, torch.bfloat16, on_host) < 3e9
-    )  # bounded by the chunk, not T x vocab
+    # the benchmark's batch, with a prefill beside it
+    assert chunk in memory.PREFILL_CHUNKS and n >= 28
+    # bounded by the chunk, not T x vocab
+    assert memory.prefill_bytes(cfg, P, chunk, torch.bfloat16, on_host) < 3e9
     with pytest.raises(MemoryError, match="at most"):
         memory.plan_memory(cfg, weights, n + 1, P, P + 1024, torch.bfloat16, budget)
     with pytest.raises(MemoryError, match="host KV store needs .* at most 1 sequences"):

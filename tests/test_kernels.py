@@ -74,9 +74,8 @@ CASES = [  # (G, d, T, B, k, BT): T not a multiple of B nor of the tile BT; T < 
 def test_sparse_attention_kernel_matches_twin(G, d, T, B, k, BT, dtype):
     Bz, H_kv = 2, 2
     tol = 2e-2 if dtype == torch.bfloat16 else FP32_TOL
-    if (
-        G >= 4
-    ):  # q in the projections' layout, as the model makes it: a view (Bz, H_q, T, d) the kernel reads as is
+    # q in the projections' layout, as the model makes it: a view (Bz, H_q, T, d) the kernel reads as is
+    if G >= 4:
         q = (
             torch.randn(Bz, T, H_kv * G, d, device=DEV, dtype=dtype)
             .transpose(1, 2)
@@ -156,9 +155,8 @@ def test_tma_descriptor_reads_aligned_views_in_place_and_copies_the_rest():
     view = buf[:, :, :33]  # a prefill's keys so far: a view of a longer buffer
     desc = common.tma_descriptor(view, (1, 1, 16, 16))
     assert desc.base.data_ptr() == buf.data_ptr() and list(desc.shape) == [2, 3, 33, 16]
-    odd = torch.randn(2, 3, 33, 20, device=DEV, dtype=torch.bfloat16)[
-        ..., :16
-    ]  # rows 40 bytes apart: unaligned
+    # rows 40 bytes apart: unaligned
+    odd = torch.randn(2, 3, 33, 20, device=DEV, dtype=torch.bfloat16)[..., :16]
     desc = common.tma_descriptor(odd, (1, 1, 16, 16))
     assert desc.base.is_contiguous() and torch.equal(desc.base, odd)
 
@@ -213,9 +211,8 @@ def test_dense_decode_kernel_matches_twin(G, d):
     ignored (they hold noise here), any number of splits."""
     Bz, H_kv, S = 3, 2, 300
     q = torch.randn(Bz, H_kv * G, 1, d, device=DEV)
-    k, v = torch.randn(2, Bz, H_kv, S + 50, d, device=DEV)[
-        ..., :S, :
-    ]  # the first S of a longer buffer
+    # the first S of a longer buffer
+    k, v = torch.randn(2, Bz, H_kv, S + 50, d, device=DEV)[..., :S, :]
     pos = torch.tensor([0, 130, S - 1], device=DEV)
     with common.kernels(False):
         want = attention.dense_decode(q, k, v, pos, TINY)
@@ -277,12 +274,10 @@ def test_query_aware_score_kernel_far_above_the_first_tile():
     cfg = Config.from_preset("tiny")
     Bz, H_kv, G, d, T = 1, 2, 4, 32, 1500
     q = torch.randn(Bz, H_kv * G, 64, d, device=DEV)
-    K_sub = pooling.compress_keys(
-        torch.randn(Bz, H_kv, T, d, device=DEV), cfg
-    )  # 92 sub-blocks: two tiles
-    K_sub[:, :, 80] = (
-        q[:, :G, 0].mean(1)[:, None] * 80
-    )  # the first query's heads: products of several hundred
+    # 92 sub-blocks: two tiles
+    K_sub = pooling.compress_keys(torch.randn(Bz, H_kv, T, d, device=DEV), cfg)
+    # the first query's heads: products of several hundred
+    K_sub[:, :, 80] = q[:, :G, 0].mean(1)[:, None] * 80
     q_pos = torch.arange(T - 64, T, device=DEV).expand(Bz, 64)
     nb = cfg.n_blocks(T)
     want = pooling.query_aware_scores(q.double(), K_sub.double(), q_pos, nb, cfg)
@@ -310,9 +305,8 @@ def test_decode_score_kernel_matches_twin(G, d, preset, M_len, over):
     Bz, H_kv = 3, 2
     q = torch.randn(Bz, H_kv * G, 1, d, device=DEV)
     K_sub = pooling.compress_keys(torch.randn(Bz, H_kv, M_len, d, device=DEV), cfg)
-    q_pos = torch.tensor(
-        [[5], [M_len // 2], [M_len - 1]], device=DEV
-    )  # the first sees no sub-block yet
+    # the first sees no sub-block yet
+    q_pos = torch.tensor([[5], [M_len // 2], [M_len - 1]], device=DEV)
     nb = cfg.n_blocks(M_len) + 2
     with common.kernels(False):
         want = pooling.query_aware_scores(q, K_sub, q_pos, nb, cfg)
@@ -353,9 +347,8 @@ def test_append_kernel_matches_twin(attn, dtype):
         for s in caches:
             s.core_ids[0].copy_(ids)
             s.core_E[0].copy_(E)
-    pos = torch.tensor(
-        [97, 150, 255], device=DEV
-    )  # sub-blocks and blocks complete at different steps per row
+    # sub-blocks and blocks complete at different steps per row
+    pos = torch.tensor([97, 150, 255], device=DEV)
     n_joins = 0
     for step in range(70):
         k = torch.randn(Bz, H, d, device=DEV, dtype=dtype)
@@ -392,6 +385,7 @@ def test_model_through_the_kernels(H_q, H_kv):
     from offload import OffloadCache
     from tests.conftest import decode_logits, make_model
 
+    # k·B = 64 tokens
     kw = dict(
         n_layer=1,
         dim=64,
@@ -407,7 +401,7 @@ def test_model_through_the_kernels(H_q, H_kv):
         n_win=1,
         k=4,
         k_q=1,
-    )  # k·B = 64 tokens
+    )
     model = make_model("nosa", torch.float32, **kw).to(DEV)
     idx = torch.randint(0, 97, (2, 150), device=DEV)
     with torch.no_grad():
@@ -425,15 +419,15 @@ def test_model_through_the_kernels(H_q, H_kv):
                     assert rel_err(got, par[i, P - 1 : P - 1 + got.shape[0]]) < FP32_TOL
 
 
-@pytest.mark.parametrize(
-    "prompt_lens", [[20, 70], [45, 45]]
-)  # ragged (a mask) and equal (flash, no mask)
+# ragged (a mask) and equal (flash, no mask)
+@pytest.mark.parametrize("prompt_lens", [[20, 70], [45, 45]])
 def test_full_attention_decode_bf16(prompt_lens):
     from tests.conftest import decode_logits, make_model
 
+    # SDPA
     model = make_model(
         "full", torch.bfloat16, n_layer=2, dim=128, H_q=8, H_kv=2, head_dim=64, B=16
-    ).to(DEV)  # SDPA
+    ).to(DEV)
     idx = torch.randint(0, 97, (2, 150), device=DEV)
     with torch.no_grad():
         par = model(idx)
@@ -452,6 +446,7 @@ def test_chunked_prefill_through_the_kernels(attn):
     from tests.conftest import make_model
 
     dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
+    # k·B = 64 tokens
     kw = dict(
         n_layer=2,
         dim=64,
@@ -467,7 +462,7 @@ def test_chunked_prefill_through_the_kernels(attn):
         n_win=1,
         k=4,
         k_q=2,
-    )  # k·B = 64 tokens
+    )
     model = make_model(attn, dtype, **kw).to(DEV)
     idx = torch.randint(0, 97, (1, 200), device=DEV)
     tol = 2e-2 if dtype == torch.bfloat16 else FP32_TOL

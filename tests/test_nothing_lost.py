@@ -352,10 +352,23 @@ def test_the_shipped_prompt_and_requests_work_from_any_directory(tmp_path, monke
         ["--prompt-file", "prompt.txt", "--max-new-tokens", "2", "--quiet", "--device", "cpu"]
     )
     assert len(out) == 1
+    # fmt: skip
     got = generate.cli(
-        ["--requests", "requests.jsonl", "--batch", "2", "--offload", "--completions",
-         "out/c.jsonl", "--max-new-tokens", "3", "--quiet", "--device", "cpu"]
-    )  # fmt: skip
+        [
+            "--requests",
+            "requests.jsonl",
+            "--batch",
+            "2",
+            "--offload",
+            "--completions",
+            "out/c.jsonl",
+            "--max-new-tokens",
+            "3",
+            "--quiet",
+            "--device",
+            "cpu",
+        ]
+    )
     assert len(got) == 3 and len((tmp_path / "out" / "c.jsonl").read_text().splitlines()) == 3
     shutil.rmtree(tmp_path / "out")
 

@@ -69,11 +69,8 @@ class CheckedCache(OffloadCache):
 def test_offloaded_decode_equals_parallel_and_resident(attn):
     model = make_model(attn, torch.float64).to(DEV)
     cfg = model.cfg
-    prompt_lens = [
-        5,
-        37,
-        70,
-    ]  # mixed lengths; k*B = 64, and 4*k*B = 256 tokens are generated after the longest
+    # mixed lengths; k*B = 64, and 4*k*B = 256 tokens are generated after the longest
+    prompt_lens = [5, 37, 70]
     T = max(prompt_lens) + 4 * cfg.k * cfg.B + 3
     idx = torch.randint(0, cfg.vocab_size, (3, T), device=DEV)
     with torch.no_grad():
@@ -83,9 +80,8 @@ def test_offloaded_decode_equals_parallel_and_resident(attn):
         model, idx, prompt_lens, CheckedCache(cfg, 3, DEV, torch.float64, max_len=40)
     )
     res = decode_logits(model, idx, prompt_lens, KVCache(cfg, 3, DEV, torch.float64))
-    static = decode_logits(
-        model, idx, prompt_lens, KVCache(cfg, 3, DEV, torch.float64, max_len=T)
-    )  # over all T blocks
+    # over all T blocks
+    static = decode_logits(model, idx, prompt_lens, KVCache(cfg, 3, DEV, torch.float64, max_len=T))
     for i, P in enumerate(prompt_lens):
         torch.testing.assert_close(
             off[i], ref[i, P - 1 : P - 1 + off[i].shape[0]], rtol=0, atol=1e-9
@@ -99,17 +95,15 @@ def test_offload_stats_and_locality_bound():
     counters agree with what the pool went through, and the hit rate respects the theorem's bound."""
     model = make_model("nosa", torch.float32).to(DEV)
     cfg = model.cfg
-    cache = CheckedCache(
-        cfg, 2, DEV, torch.float32, max_len=90 + 300
-    )  # sized exactly, as generate.py does
+    # sized exactly, as generate.py does
+    cache = CheckedCache(cfg, 2, DEV, torch.float32, max_len=90 + 300)
     cache.moves = []
     generate(model, [[1, 2, 3] * 30, [4] * 7], max_new_tokens=300, cache=cache)
     most = max(cache.moves)
     assert 0 < most <= cfg.k_q - 1 and cache.stats.row_max.max().item() == most
     assert cache.stats.moved.sum().item() == sum(cache.moves)
-    assert (
-        cache.stats.cold.sum().item() > 0
-    )  # the first step gathers whole selections, counted apart
+    # the first step gathers whole selections, counted apart
+    assert cache.stats.cold.sum().item() > 0
     hit = 1 - cache.stats.moved.sum().item() / cache.stats.needed.sum().item()
     assert hit >= cfg.k_e / (cfg.k - 1)  # k_e of the k - 1 selected non-tail blocks were resident
     assert f"most blocks one row moved in a step: {most}" in cache.stats.summary()
@@ -271,9 +265,8 @@ def test_cuda_kernels_refuse_what_they_cannot_read():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA kernels need a GPU")
 @pytest.mark.parametrize("ctas", [0, 1, 3, 16, 5000])
-@pytest.mark.parametrize(
-    "unit", [(2, 8, 32), (2, 64, 160)]
-)  # 1 KiB: 32 units a round of loads; 40 KiB: 1.25 rounds
+# 1 KiB: 32 units a round of loads; 40 KiB: 1.25 rounds
+@pytest.mark.parametrize("unit", [(2, 8, 32), (2, 64, 160)])
 def test_cuda_gather_with_few_blocks(ctas, unit):
     """The gather on fewer thread blocks than units shares out the misses of a mostly-hit fetch list
     (several chunks of 1024 entries), each block's misses copied as one stream of words: every miss
@@ -295,9 +288,8 @@ def test_cuda_gather_with_few_blocks(ctas, unit):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("offloaded", [True, False])
 def test_graphed_decode_equals_eager(offloaded):
-    model = fast.compile_model(
-        make_model("nosa", torch.float32, B=16, l_c=8, s_c=4).to(DEV)
-    )  # B >= 16
+    # B >= 16
+    model = fast.compile_model(make_model("nosa", torch.float32, B=16, l_c=8, s_c=4).to(DEV))
     cfg = model.cfg
     prompt_lens = [5, 37, 70]
     T = max(prompt_lens) + 3 * cfg.k * cfg.B
@@ -348,9 +340,8 @@ def test_micro_batches_decode_like_the_whole_batch(graphed):
         caches[0].len_cpu, caches[1].len_cpu
     )
     assert all(torch.equal(x, y) for x, y in zip(caches[0].slot_block, caches[1].slot_block))
-    part = caches[1].split(2)[
-        1
-    ]  # its last sequence has reached max_len: one more step would need to grow
+    # its last sequence has reached max_len: one more step would need to grow
+    part = caches[1].split(2)[1]
     with pytest.raises(ValueError, match="cannot grow"):
         model.decode(idx[3:, -1], part)
 
@@ -371,22 +362,19 @@ def test_a_sequence_stops_at_its_end_token_while_another_continues():
     model = make_model("nosa", torch.float32).to(DEV)
     prompts = [list(range(1, 90)), [5, 6, 7] * 30]
     free = generate(model, prompts, 120)  # greedy, no end token
-    eos = next(
-        t for t in free[0][10:] if t not in free[1]
-    )  # a token row 0 makes and row 1 never does
+    # a token row 0 makes and row 1 never does
+    eos = next(t for t in free[0][10:] if t not in free[1])
     end = free[0].index(eos) + 1
     cache = CountingCache(model.cfg, 2, DEV, torch.float32, max_len=90 + 120)
     cache.log = []
     out = generate(model, prompts, 120, cache=cache, eos_ids={eos})
     assert out[0] == free[0][:end] and out[1] == free[1]
-    ended_at = (
-        len(prompts[0]) + end
-    )  # row 0's position when its first step after the end token runs
+    # row 0's position when its first step after the end token runs
+    ended_at = len(prompts[0]) + end
     after = [moved[: model.cfg.H_kv] for pos, moved in cache.log if pos[0] >= ended_at]
     assert after and all(int(m.sum()) == 0 for m in after)
-    assert (
-        sum(int(moved[model.cfg.H_kv :].sum()) for _, moved in cache.log) > 0
-    )  # row 1 kept moving blocks
+    # row 1 kept moving blocks
+    assert sum(int(moved[model.cfg.H_kv :].sum()) for _, moved in cache.log) > 0
 
 
 def test_triton_transfer_kernels_match_twins():
@@ -394,9 +382,8 @@ def test_triton_transfer_kernels_match_twins():
     R, k, cap, U, H_kv, B = 6, 5, 12, (2, 4, 8), 2, 4
     host = torch.randn(R, cap, *U, dtype=torch.float64)
     pool = torch.randn(R, k + 1, *U, dtype=torch.float64)
-    if (
-        DEV == "cuda"
-    ):  # compiled: the kernels reach the pinned host store through its device pointer
+    # compiled: the kernels reach the pinned host store through its device pointer
+    if DEV == "cuda":
         host, pool = offload.pinned_empty(host.shape, host.dtype).copy_(host), pool.to(DEV)
     slot_block = torch.full((R, k), -1, dtype=torch.long)
     for r in range(R):
@@ -524,9 +511,8 @@ def test_every_cache_buffer_is_listed_and_modelled(attn):
         t for n in OffloadCache.ROWS + OffloadCache.SEQS if n != "host" for t in getattr(cache, n)
     ]
     tensors += [t for n in per_layer(cache.sub) for t in getattr(cache.sub, n)]
-    storages = {
-        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
-    }  # tail: a view
+    # tail: a view
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     gpu, host = memory.cache_bytes(cfg, 3, 300, torch.float32)
     assert sum(t.numel() * t.element_size() for t in cache.host) == host
     assert 0.95 * gpu <= sum(storages.values()) <= 1.1 * gpu, (sum(storages.values()), gpu)

@@ -64,9 +64,8 @@ def test_query_aware_scores_by_hand():
     nb = 3
     Q = pooling.query_aware_scores(q, K_sub, torch.arange(T)[None], nb, cfg)
     for t in range(T):
-        vis = [
-            m for m in range(K_sub.shape[2]) if 2 * m + 3 <= t
-        ]  # all tokens of the sub-block <= t
+        # all tokens of the sub-block <= t
+        vis = [m for m in range(K_sub.shape[2]) if 2 * m + 3 <= t]
         P = [0.0] * K_sub.shape[2]
         for g in range(2):
             if not vis:

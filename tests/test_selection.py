@@ -167,9 +167,8 @@ def test_few_blocks_selects_all_and_modes():
         assert torch.equal(sel & cand, want)
     # nosa: k_q best by Q, then the best of the rest by E
     sel = nosa.select_blocks(Q, E, t, cfg)[0]
-    pick_q = eviction.core_blocks(
-        Q[0], cand, cfg.k_q - 1
-    )  # the own block is the k_q-th query-aware block
+    # the own block is the k_q-th query-aware block
+    pick_q = eviction.core_blocks(Q[0], cand, cfg.k_q - 1)
     assert torch.equal(
         sel & cand,
         pick_q | eviction.core_blocks(E, cand & ~pick_q, cfg.k_e - cfg.n_sink - cfg.n_win),
@@ -247,9 +246,8 @@ def test_select_step_kernel_equals_twin(cfg, data, attn):
             if data.draw(st.booleans())
             else values[torch.randint(0, 5, (Bz, H, nb), generator=g)]
         )
-        ids = eviction.core_list(E, cand.expand(Bz, H, nb), n)[
-            0
-        ]  # E = Q: the list and Q's picks overlap
+        # E = Q: the list and Q's picks overlap
+        ids = eviction.core_list(E, cand.expand(Bz, H, nb), n)[0]
         ids = ids.to(dev)
     want = nosa.select_step(Q, None if ids is None else ids.cpu(), pos, cfg)  # the twin, on the CPU
     got = nosa_kernels.select_step(Q.to(dev), ids, pos.to(dev), cfg)
@@ -283,9 +281,8 @@ def test_select_tiles_kernel_equals_twin(cfg, data, attn):
         lists = eviction.block_lists(c_sub, first, nb - 1, cfg)[0]
     U = min(nb, BT * cfg.k)
     want = tiles_twin(Q, lists, first, q_pos, cfg, BT, U)
-    groups = data.draw(
-        st.sampled_from([1, 2, 4, 128])
-    )  # few groups: many keys to keep, and rows with too many
+    # few groups: many keys to keep, and rows with too many
+    groups = data.draw(st.sampled_from([1, 2, 4, 128]))
     got = tiles_with_groups(
         groups,
         data.draw(st.sampled_from([1, 4])),
@@ -340,13 +337,11 @@ def test_select_tiles_kernel_keeps_the_best_through_its_groups(tied):
         else torch.rand(T, nb, generator=g)
     )
     b = torch.arange(nb)
-    Q[::2] += 100 * (
-        b % groups < 3
-    )  # every other row's best all in 3 of the 32 groups: too many keys to keep
+    # every other row's best all in 3 of the 32 groups: too many keys to keep
+    Q[::2] += 100 * (b % groups < 3)
     cand = (b >= cfg.n_sink) & (b < start // cfg.B - cfg.n_win)
-    key = torch.where(
-        cand, Q.double() + b * 2.0**-40, float("-inf")
-    )  # (score, block), ties to the recent one
+    # (score, block), ties to the recent one
+    key = torch.where(cand, Q.double() + b * 2.0**-40, float("-inf"))
     L = (
         torch.stack([key[:, b % groups == i].amax(1) for i in range(groups)], 1)
         .topk(KQ, 1)
@@ -393,9 +388,8 @@ def test_parallel_selection_equals_decode_selection(tied):
         nosa.update_pooled(sub, 0, k[rows, :, pos], c[rows, :, pos], pos, cfg)
         nb = cfg.n_blocks(int(pos.max()) + 1)
         q_t = q[rows, :, pos][:, :, None]
-        lists = nosa.core_lists(
-            sub.c_sub[0], pos[:, None], cfg
-        )  # from c̃, the lists from block 0 on
+        # from c̃, the lists from block 0 on
+        lists = nosa.core_lists(sub.c_sub[0], pos[:, None], cfg)
         dec = nosa.select(q_t, sub.K_sub[0], lists, pos[:, None], nb, cfg)[:, :, 0]
         dec_list = nosa.select(q_t, sub.K_sub[0], sub.core_ids[0], pos[:, None], nb, cfg)[:, :, 0]
         for i in range(Bz):
@@ -439,9 +433,8 @@ def test_core_list_kept_by_the_policy_equals_the_list_from_scratch():
             ids, E_ids = eviction.join_core_list(ids, E_ids, b_new, E[:, j])
             want_ids, want_E = eviction.core_list(E, (b <= j).expand(3, nb), n)
             assert torch.equal(ids, want_ids) and torch.equal(E_ids, want_E), (trial, j)
-        ids2, _ = eviction.join_core_list(
-            ids, E_ids, torch.full((3,), -1), torch.zeros(3)
-        )  # no block leaves
+        # no block leaves
+        ids2, _ = eviction.join_core_list(ids, E_ids, torch.full((3,), -1), torch.zeros(3))
         assert torch.equal(ids2, ids)
 
 

@@ -115,15 +115,27 @@ def test_generate_serves_a_file_of_requests(tmp_path, capsys):
     ]
     path, out = tmp_path / "r.jsonl", tmp_path / "out.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in lines) + "\n\n")
+    # fmt: skip
     got = generate.main(
-        requests=str(path), completions=str(out), batch=2, max_new_tokens=20, temperature=0.0,
-        offload=True, device="cpu",
-    )  # fmt: skip
+        requests=str(path),
+        completions=str(out),
+        batch=2,
+        max_new_tokens=20,
+        temperature=0.0,
+        offload=True,
+        device="cpu",
+    )
+    # fmt: skip
     alone = [
-        generate.main(prompt=r["prompt"], max_new_tokens=r.get("max_new_tokens", 20),
-                      temperature=0.0, device="cpu", quiet=True)[0]
+        generate.main(
+            prompt=r["prompt"],
+            max_new_tokens=r.get("max_new_tokens", 20),
+            temperature=0.0,
+            device="cpu",
+            quiet=True,
+        )[0]
         for r in lines
-    ]  # fmt: skip
+    ]
     assert got == alone and [len(g) for g in got] == [12, 20, 5]
     printed = capsys.readouterr().out
     assert printed.count("first token after") == 3 and "served: 3 requests over 2 rows" in printed

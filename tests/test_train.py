@@ -101,9 +101,8 @@ def test_bad_checkpoints_fail_clearly(corpus, tmp_path):
         checkpoint.load(out)
     open(weights, "wb").write(blob)
     cfg = json.load(open(os.path.join(out, "config.json")))
-    json.dump(
-        {**cfg, "n_layer": 3}, open(os.path.join(out, "config.json"), "w")
-    )  # config and weights disagree
+    # config and weights disagree
+    json.dump({**cfg, "n_layer": 3}, open(os.path.join(out, "config.json"), "w"))
     with pytest.raises(ValueError, match="does not match its config"):
         checkpoint.load(out)
     json.dump({**cfg, "k": 2}, open(os.path.join(out, "config.json"), "w"))
@@ -118,9 +117,8 @@ def test_bad_checkpoints_fail_clearly(corpus, tmp_path):
     json.dump(
         {k: v for k, v in cfg.items() if k != "k"}, open(os.path.join(out, "config.json"), "w")
     )
-    with pytest.raises(
-        ValueError, match="lacks 'k'"
-    ):  # our format writes every field: none defaults
+    # our format writes every field: none defaults
+    with pytest.raises(ValueError, match="lacks 'k'"):
         checkpoint.load(out)
 
 
@@ -241,9 +239,8 @@ def test_data_that_is_not_text_is_refused(tmp_path, corpus):
         train.main(
             out=str(tmp_path / "ck"), data=str(d), data_dir=str(tmp_path / "data"), **run, **small
         )
-    (d / "notes.txt").write_text(
-        open(os.path.join(corpus, "argparse.py")).read()
-    )  # mostly text now: it trains
+    # mostly text now: it trains
+    (d / "notes.txt").write_text(open(os.path.join(corpus, "argparse.py")).read())
     train.main(
         out=str(tmp_path / "ck"),
         data=str(d),
@@ -295,9 +292,8 @@ def test_init_from_a_dense_model(corpus, tmp_path):
     the eviction head's A = 0), and training goes on from there."""
     import json as _json
 
-    kw = dict(
-        data=corpus, data_dir=str(tmp_path / "data"), **{**run, "seq_len": 64}, **small
-    )  # k·B = 64
+    # k·B = 64
+    kw = dict(data=corpus, data_dir=str(tmp_path / "data"), **{**run, "seq_len": 64}, **small)
     dense, _ = train.main(out=str(tmp_path / "full"), attn="full", steps=6, eval_every=6, **kw)
     init, _ = train.main(
         out=str(tmp_path / "nosa"),
@@ -348,9 +344,8 @@ def test_out_never_replaces_what_is_not_ours(corpus, tmp_path):
     assert (runs / "a" / "notes.txt").read_text() == "mine" and checkpoint.is_checkpoint(
         str(runs / "a")
     )
-    with pytest.raises(
-        FileExistsError, match="not a checkpoint of ours: not replaced"
-    ):  # save itself refuses too
+    # save itself refuses too
+    with pytest.raises(FileExistsError, match="not a checkpoint of ours: not replaced"):
         checkpoint.save(
             train.Transformer(checkpoint.load(str(runs / "a"))[0].cfg),
             checkpoint.byte_tokenizer(),
@@ -428,9 +423,8 @@ def test_checks_before_work_and_one_line_errors(corpus, tmp_path, monkeypatch, c
     ] + [f"--set={k}={v}" for k, v in small.items()]
     real = train.get_batch
 
-    def interrupt(
-        data, batch_size, T, seed, step, *rest, **kw
-    ):  # Ctrl-C as training step 3 (0-based) begins
+    # Ctrl-C as training step 3 (0-based) begins
+    def interrupt(data, batch_size, T, seed, step, *rest, **kw):
         if step == 3 and seed != 0:  # (evaluation draws with seed 0)
             raise KeyboardInterrupt
         return real(data, batch_size, T, seed, step, *rest, **kw)
@@ -519,9 +513,8 @@ def test_recall_tasks(corpus, tmp_path):
                 ids[fact:].tolist()
             ).startswith(facts[0])
             assert tok.decode(ids[:at].tolist()).endswith(question)
-            answer_ids = tok.encode(
-                answer
-            ).ids  # the answer is token for token a copy from the fact
+            # the answer is token for token a copy from the fact
+            answer_ids = tok.encode(answer).ids
             assert tok.encode(facts[0]).ids[-len(answer_ids) :] == answer_ids, (
                 kind,
                 facts[0],
@@ -550,12 +543,10 @@ def test_recall_tasks(corpus, tmp_path):
     )
     with pytest.raises(ValueError, match="--resume: the run in .* give --tasks"):
         train.main(out=str(tmp_path / "b"), resume=True, **{**kw, "tasks": 0.1, "steps": 6})
-    weighted, _ = train.main(
-        out=str(tmp_path / "c"), stop_at=2, answer_weight=50.0, **kw
-    )  # the same batches,
-    assert not all(
-        torch.equal(half[n], t) for n, t in weighted.state_dict().items()
-    )  # the answers weighing more
+    # the same batches,
+    weighted, _ = train.main(out=str(tmp_path / "c"), stop_at=2, answer_weight=50.0, **kw)
+    # the answers weighing more
+    assert not all(torch.equal(half[n], t) for n, t in weighted.state_dict().items())
     with pytest.raises(ValueError, match="--resume: the run in .* give --answer-weight"):
         train.main(out=str(tmp_path / "c"), resume=True, **kw)
 
