@@ -28,6 +28,7 @@ import common
 import config
 import fast
 import memory
+import offload
 import serve
 from config import Config
 from kvcache import KVCache
@@ -204,11 +205,8 @@ def main(**flags):
             raise ValueError(f"{name}: {e}") from None
     batch = o.batch or len(ids)
     serving = o.requests is not None or batch < len(ids)
-    if o.offload and model.cfg.attn == "full":
-        raise ValueError(
-            "--offload needs a sparse attention mode (nosa, infllmv2 or dma); full "
-            "attention reads every block at every step"
-        )
+    if o.offload:
+        offload.check_mode(model.cfg)
     weights, gpu, host, chunk, on_host = plan(o, model, device, dtype, batch, P, max_len, serving)
     rows = [ids[i % len(ids)] for i in range(batch)]  # prompts are cycled over the batch
     micro = speed_up(o, model, device, batch, rows)

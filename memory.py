@@ -45,19 +45,29 @@ def check_offload(cfg, Bz, max_len, dtype, device, gpu_budget=None, host_budget=
     """An offloaded cache (offload.OffloadCache) against the budgets, before anything is allocated:
     the host store against host_budget (default: what host_bytes_available says), the GPU's part
     against gpu_budget (default: the device's free memory). A MemoryError that says what to lower."""
-    need_gpu, need_host = cache_bytes(cfg, Bz, max_len, dtype)
+    need_gpu = cache_bytes(cfg, Bz, max_len, dtype)[0]
     host_budget = host_budget or host_bytes_available()
     if gpu_budget is None and torch.device(device).type == "cuda":
         gpu_budget = torch.cuda.mem_get_info(device)[0]
-    if host_budget is not None and need_host > host_budget:
-        raise MemoryError(
-            f"the host KV store needs {gib(need_host)} for batch {Bz} x {max_len} tokens, "
-            f"but {gib(host_budget)} is available: lower the batch or the length"
-        )
+    check_host(cfg, Bz, max_len, dtype, host_budget)
     if gpu_budget is not None and need_gpu > gpu_budget:
         raise MemoryError(
             f"the GPU slot pool needs {gib(need_gpu)} for batch {Bz} (k={cfg.k} slots per row "
             f"and layer), but the budget is {gib(gpu_budget)}: lower the batch"
+        )
+
+
+def check_host(cfg, Bz, max_len, dtype, host_budget, offload=True):
+    """The host store of Bz sequences of max_len tokens against host_budget (None: not checked); a
+    MemoryError that says how many fit."""
+    need_host = cache_bytes(cfg, Bz, max_len, dtype, offload)[1]
+    if host_budget is not None and need_host > host_budget:
+        n = max_batch(cfg, max_len, dtype, None, host_budget, offload)
+        raise MemoryError(
+            f"the host KV store needs {gib(need_host)} for batch {Bz} x {max_len} tokens, but "
+            f"{gib(host_budget)} is available: at most {n} sequences of that length fit; lower the "
+            f"batch or the length (the default budget leaves a tenth of the free memory to the "
+            f"process; a larger one may hold more)"
         )
 
 
@@ -85,10 +95,10 @@ def prefill_bytes(cfg, T, C, dtype, stream_on_host=False):
     """GPU bytes a chunked prefill of a T-token prompt needs beyond the weights and the cache
     (prefill.prefill), C tokens a chunk: the prompt's residual stream (T, dim), or the next
     chunk of it when it is kept in host memory, one layer's K, V, c and pooled caches and a copy of
-    them (the cache's prefill stacks K and V), the RoPE tables of every position,
-    and the largest of one chunk's activations: RoPE in fp32, scoring and selection (nosa.select_rows
-    queries at a time, over nb blocks; the selection kept as tiles), the MLP. A bound checked against
-    the measured peak on the GPU."""
+    them (the cache's prefill stacks K and V), the RoPE tables of every position, and the largest
+    of one chunk's activations: RoPE in fp32, scoring and selection (nosa_kernels.select_rows
+    queries at a time, over nb blocks; the selection kept as tiles), the MLP. A bound checked
+    against the measured peak on the GPU."""
     H, H_q, d, dim = cfg.H_kv, cfg.H_q, cfg.head_dim, cfg.dim
     elt, C = torch.empty((), dtype=dtype).element_size(), min(C, T)
     nb = math.ceil(T / cfg.B)
@@ -151,15 +161,8 @@ def plan_memory(
     (`chunk`, or the largest of PREFILL_CHUNKS that fits) and whether the prompt's residual stream
     must wait in host memory (when it does not fit on the GPU beside the cache). A budget that does
     not fit is a MemoryError that says what does."""
-    need_gpu, need_host = cache_bytes(cfg, Bz, max_len, dtype, offload)
-    if host_budget is not None and need_host > host_budget:
-        n = max_batch(cfg, max_len, dtype, None, host_budget, offload)
-        raise MemoryError(
-            f"the host KV store needs {gib(need_host)} for batch {Bz} x {max_len} tokens, but "
-            f"{gib(host_budget)} is available: at most {n} sequences of that length fit (the "
-            f"default budget leaves a tenth of the free memory to the process; a larger one may "
-            f"hold more)"
-        )
+    need_gpu, _ = cache_bytes(cfg, Bz, max_len, dtype, offload)
+    check_host(cfg, Bz, max_len, dtype, host_budget, offload)
     chunks = [chunk] if chunk else [c for c in PREFILL_CHUNKS if c < prompt_len] or [prompt_len]
     if gpu_budget is None:
         return chunks[0], False

@@ -1,6 +1,6 @@
 """
 A Llama-style decoder whose every layer is NOSA attention (docs/METHOD.md §2-3), with a KV cache for
-step-by-step decoding and greedy / temperature / top-k sampling.
+step-by-step decoding (the sampling is generate.py's).
 
 Notation: Bz batch, T tokens, dim model width, H_q / H_kv query / KV heads, d = head_dim,
 G = H_q / H_kv, c eviction score (eviction.py), K̃ compressed keys (pooling.py).

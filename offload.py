@@ -218,6 +218,14 @@ class Stats:
 # The offloaded cache
 
 
+def check_mode(cfg):
+    if cfg.attn == "full":
+        raise ValueError(
+            "--offload needs a sparse attention mode (nosa, infllmv2 or dma); full attention "
+            "reads every block at every step"
+        )
+
+
 def pinned_empty(shape, dtype):
     """Page-locked host memory that GPU kernels read directly (UVA), of exactly its size. torch's
     pinned allocator rounds each request up to a power of two (a 1.4 GiB layer store pins 2 GiB),
@@ -249,11 +257,7 @@ class OffloadCache(Cache):
     SEQS = ("c",)
 
     def __init__(self, cfg, Bz, device, dtype, max_len=None, gpu_budget=None, host_budget=None):
-        if cfg.attn == "full":
-            raise ValueError(
-                "--offload needs a sparse attention mode (nosa, infllmv2 or dma); full attention "
-                "reads every block at every step"
-            )
+        check_mode(cfg)
         self.device, self.Bz = torch.device(device), Bz
         L, H, B, d, k = cfg.n_layer, cfg.H_kv, cfg.B, cfg.head_dim, cfg.k
         R, elt = Bz * H, torch.empty((), dtype=dtype).element_size()

@@ -91,7 +91,7 @@ def make_task(kind, tok, filler, length, distance, rng):
 
 def mix_tasks(x, fraction, tok, filler, rng, min_distance=16):
     """Replace a fraction of the rows of a batch x (Bz, T+1) int64 with tasks of a random kind at a
-    random distance up to the row's length (train.get_batch with --tasks), in place. Returns the
+    random distance up to the row's length (data.get_batch with --tasks), in place. Returns the
     answers' spans [(row, where the answer starts, its length)]."""
     length, answers = x.shape[1], []
     for r in range(x.shape[0]):

@@ -1,6 +1,6 @@
-// NOSI transfer kernels (docs/METHOD.md §6), built on first use by transfer.py with
+// NOSI transfer kernels (docs/METHOD.md §6), built on first use by offload_kernels.py with
 // torch.utils.cpp_extension.load as a plain library (no torch or pybind11 headers: nvcc compiles it in
-// seconds) and called through ctypes with raw pointers, sizes and the caller's CUDA stream; transfer.py
+// seconds) and called through ctypes with raw pointers, sizes and the caller's CUDA stream; offload_kernels.py
 // checks shapes, dtypes and layouts before each call. They never wait for the host.
 //
 // Notation: R rows = (sequence, KV head) pairs of one layer; k slots per row on the GPU;
@@ -16,7 +16,7 @@
 //   its device pointer (cudaHostGetDevicePointer): one launch moves every missed block of a layer
 //   as 16-byte vector reads, many PCIe requests in flight, instead of one memcpy per block. With
 //   ctas > 0 at most that many thread blocks share the misses, leaving the other SMs to kernels
-//   running beside the gather on another stream (micro-batches, generate.GraphedDecode).
+//   running beside the gather on another stream (micro-batches, fast.GraphedDecode).
 // flush_tails: for every row whose tail block (pool slot k) has just been filled (pos % B == B - 1),
 //   write it to host[row, pos / B] through the same mapping and copy it into the first free slot,
 //   updating both tables. Rows whose tail is not full return at once, so the host never has to
