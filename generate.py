@@ -204,80 +204,106 @@ def main(**flags):
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
     batch = o.batch or len(ids)
-    serving = o.requests is not None or batch < len(ids)
     if o.offload:
         offload.check_mode(model.cfg)
-    weights, gpu, host, chunk, on_host = plan(o, model, device, dtype, batch, P, max_len, serving)
+    pl = Plan(device, dtype, batch, P, max_len, serving=o.requests is not None or batch < len(ids))
+    plan(o, model, pl)
     rows = [ids[i % len(ids)] for i in range(batch)]  # prompts are cycled over the batch
-    micro = speed_up(o, model, device, batch, rows)
-    cache = make_cache(o, model, device, dtype, batch, max_len, host, chunk, micro, rows)
-    if serving:
-        args = (chunk, on_host, micro, device)
-        return serve_requests(o, model, tokenizer, cache, ids, news, names, *args)
+    pl.micro = speed_up(o, model, pl, rows)
+    cache = make_cache(o, model, pl, rows)
+    if pl.serving:
+        return serve_requests(o, model, tokenizer, cache, pl, list(zip(ids, news, names)))
     ids = rows
     printer = None if batch > 1 or o.quiet or o.prompt_len else Printer(tokenizer, model.eos_ids)
     if printer:
         print(prompts[0], end="", flush=True)
     progress = PrefillProgress([len(p) for p in ids], device, o.quiet)
     with profiler(o.profile, device) as prof:
-        args = (
+        out = generate(
+            model,
+            ids,
+            o.max_new_tokens,
             o.temperature,
             o.top_k,
             cache,
-            model.eos_ids,
-            printer,
-            chunk,
-            progress,
-            on_host,
-            micro,
+            eos_ids=model.eos_ids,
+            on_token=printer,
+            chunk=pl.chunk,
+            on_prefill=progress,
+            stream_on_host=pl.on_host,
+            micro_batches=pl.micro,
         )
-        out = generate(model, ids, o.max_new_tokens, *args)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        t_end = time.perf_counter()
+        progress.t_end = time.perf_counter()
     if printer:
         print("\n---")
     elif not o.quiet:
         for i, seq in enumerate(out):  # the prompt as the model read it (--prompt-len cuts it)
             print(f"--- sample {i} ---\n{tokenizer.decode(ids[i])}{tokenizer.decode(seq)}")
         print("---")
-    report(o, model, cache, out, ids, progress, t_end, chunk, on_host, weights, gpu, device)
+    report(o, cache, pl, ids, out, progress)
     export_trace(prof, o.profile)
     return out
 
 
-def plan(o, model, device, dtype, batch, P, max_len, served=False):
+@dataclass
+class Plan:
+    """What main settles before anything is allocated, passed whole: the device and dtype, the rows,
+    the longest prompt P and sequence max_len, whether requests are served (more prompts than rows,
+    or a file of them), and the memory plan (plan): the weights' bytes, the GPU and host budgets in
+    bytes, the prefill's chunk and whether its residual stream waits in host memory; and the
+    micro-batches of a step (speed_up)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    batch: int
+    P: int
+    max_len: int
+    serving: bool = False
+    weights: int = 0
+    gpu: float = None
+    host: float = None
+    chunk: int = None
+    on_host: bool = False
+    micro: int = 1
+
+
+def plan(o, model, pl):
     """The budgets (GiB flags, else the GPU's free memory and what the host has) and the memory
-    plan: (weights, GPU and host budgets in bytes, the prefill's chunk, whether its residual
-    stream waits in host memory)."""
-    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    gpu = o.gpu_budget and o.gpu_budget * 2**30
-    if gpu is None and device.type == "cuda":
-        gpu = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_allocated(device)
-    host = o.host_budget and o.host_budget * 2**30
-    if host is None and o.offload:
-        host = memory.host_bytes_available()
-    cfg = model.cfg
-    chunk, on_host = memory.plan_memory(
-        cfg, weights, batch, P, max_len, dtype, gpu, host, o.offload, o.chunk, served
-    )
-    tight = o.offload and memory.host_warning(memory.cache_bytes(cfg, batch, max_len, dtype)[1])
+    plan (memory.plan_memory), into pl."""
+    pl.weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    pl.gpu = o.gpu_budget and o.gpu_budget * 2**30
+    if pl.gpu is None and pl.device.type == "cuda":
+        pl.gpu = torch.cuda.mem_get_info(pl.device)[0] + torch.cuda.memory_allocated(pl.device)
+    pl.host = o.host_budget and o.host_budget * 2**30
+    if pl.host is None and o.offload:
+        pl.host = memory.host_bytes_available()
+    cfg, Bz = model.cfg, pl.batch
+    pl.chunk, pl.on_host = memory.plan_memory(
+        cfg, pl.weights, Bz, pl.P, pl.max_len, pl.dtype, pl.gpu, pl.host, o.offload, o.chunk,
+        pl.serving,
+    )  # fmt: skip
+    need_host = memory.cache_bytes(cfg, Bz, pl.max_len, pl.dtype)[1]
+    tight = o.offload and memory.host_warning(need_host)
     if tight:
         print(tight, file=sys.stderr)
-    return weights, gpu, host, chunk, on_host
 
 
-def make_cache(o, model, device, dtype, batch, max_len, host, chunk, micro, ids):
+def make_cache(o, model, pl, ids):
     """The decode cache (offloaded or resident), warmed up on a GPU: uva_copy.cu built and the
     kernels compiled on short prompts of two lengths (so that torch.compile makes a prefill's
     graph for any chunk length here, not in the timed run)."""
+    cfg, dev, dtype = model.cfg, pl.device, pl.dtype
     if o.offload:
-        cache = OffloadCache(model.cfg, batch, device, dtype, max_len, host_budget=host)
+        cache = OffloadCache(cfg, pl.batch, dev, dtype, pl.max_len, host_budget=pl.host)
     else:
-        cache = KVCache(model.cfg, batch, device, dtype, max_len)
-    if device.type == "cuda":
+        cache = KVCache(cfg, pl.batch, dev, dtype, pl.max_len)
+    if dev.type == "cuda":
         warm = [p[: 64 + i % 2] for i, p in enumerate(ids)]
-        generate(model, warm, 2, o.temperature, o.top_k, cache, chunk=chunk, micro_batches=micro)
+        generate(
+            model, warm, 2, o.temperature, o.top_k, cache, chunk=pl.chunk, micro_batches=pl.micro
+        )
         torch.cuda.synchronize()
         if o.offload:
             cache.reset_stats()
@@ -369,13 +395,14 @@ def export_trace(prof, path):
     print(f"profile: {path} (chrome://tracing or ui.perfetto.dev)")
 
 
-def speed_up(o, model, device, batch, ids):
+def speed_up(o, model, pl, ids):
     """What fast.py applies on a GPU, said in one line: torch.compile of the decode step (auto: when
     batch x new tokens >= 2048, where its seconds of compiling pay) and of a prefill's chunks (auto:
     from 2M prompt tokens); micro-batches (auto: 2 for an offloaded batch of 16 or more).
     Returns the micro-batches."""
+    batch = pl.batch
     micro = o.micro_batches or (2 if o.offload and batch >= 16 else 1)
-    if device.type != "cuda":
+    if pl.device.type != "cuda":
         return micro
     on = o.compile == "on"
     decode = on or o.compile == "auto" and batch * o.max_new_tokens >= 2048
@@ -389,9 +416,9 @@ def speed_up(o, model, device, batch, ids):
     return micro
 
 
-def report(o, model, cache, out, ids, progress, t_end, chunk, on_host, weights, gpu, device):
+def report(o, cache, pl, ids, out, progress):
     """The greppable lines: prefill, tokens/sec, the offload's statistics, GPU memory."""
-    batch = len(ids)
+    batch, chunk, on_host, device, t_end = len(ids), pl.chunk, pl.on_host, pl.device, progress.t_end
     pre, ttft = progress.done[-1] - progress.t0, [t - progress.t0 for t in progress.done]
     n_pre, n_tok = sum(map(len, ids)), sum(map(len, out)) - batch  # the first comes with prefill
     print(
@@ -404,23 +431,24 @@ def report(o, model, cache, out, ids, progress, t_end, chunk, on_host, weights, 
     print(
         f"tokens/sec: {n_tok / dt:.1f} ({n_tok} tokens in {dt:.2f} s after the first, batch "
         f"{batch}, prompts of {min(map(len, ids))}-{max(map(len, ids))} tokens, "
-        f"{model.cfg.attn}, {device})"
+        f"{cache.cfg.attn}, {device})"
     )
     if o.offload:
         print(cache.stats.summary())
     if device.type == "cuda":
         print(
             f"GPU memory: {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB at the peak "
-            f"(weights {weights / 2**30:.2f} GiB)"
-            + (f", budget {gpu / 2**30:.2f} GiB" if o.gpu_budget else "")
+            f"(weights {pl.weights / 2**30:.2f} GiB)"
+            + (f", budget {pl.gpu / 2**30:.2f} GiB" if o.gpu_budget else "")
         )
 
 
-def serve_requests(o, model, tokenizer, cache, ids, news, names, chunk, on_host, micro, device):
-    """The requests served by continuous batching (serve.py), in order: as each ends, its text (or
-    a JSON line in --completions) and a line with its time to first token and tokens/s; then the
-    totals. Returns the new tokens of each."""
-    reqs = [serve.Request(p, n) for p, n in zip(ids, news)]
+def serve_requests(o, model, tokenizer, cache, pl, requests):
+    """requests [(token ids, max_new_tokens, name)] served by continuous batching (serve.py), in
+    order: as each ends, its text (or a JSON line in --completions) and a line with its time to
+    first token and tokens/s; then the totals. Returns the new tokens of each."""
+    device, names = pl.device, [name for _, _, name in requests]
+    reqs = [serve.Request(p, n) for p, n, _ in requests]
     number = {id(r): i for i, r in enumerate(reqs)}
     jsonl = serve.Completions(o.completions) if o.completions else None
 
@@ -441,9 +469,10 @@ def serve_requests(o, model, tokenizer, cache, ids, news, names, chunk, on_host,
     budget = serve.Budget(model.cfg.n_layer, o.prefill_budget, o.max_stall)
     t0 = time.perf_counter()
     with jsonl or contextlib.nullcontext(), profiler(o.profile, device) as prof:
-        decode = fast.GraphedDecode(model, cache, micro)
-        args = (model.eos_ids, chunk, on_host, decode, budget)
-        serve.serve(model, reqs, cache, pick, *args, on_done=done)
+        decode = fast.GraphedDecode(model, cache, pl.micro)
+        serve.serve(
+            model, reqs, cache, pick, model.eos_ids, pl.chunk, pl.on_host, decode, budget, done
+        )
     total, ttft = time.perf_counter() - t0, sorted(r.t_first for r in reqs)
     export_trace(prof, o.profile)
     n_tok = sum(len(r.out) for r in reqs)
@@ -503,7 +532,7 @@ class PrefillProgress:
     def __init__(self, lens, device, quiet, every=3.0):
         self.lens, self.device, self.quiet, self.every = lens, device, quiet, every
         self.t0 = self.shown = time.perf_counter()
-        self.done = []
+        self.done, self.t_end = [], None  # t_end: when the generation ended (main sets it)
 
     def __call__(self, i, fraction):
         if fraction < 1 and self.quiet:
