@@ -19,7 +19,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -619,12 +619,11 @@ def cli(argv=None):
     add = p.add_argument
     add(
         "--checkpoint",
-        default=checkpoint.DEFAULT_CHECKPOINT,
         help="checkpoint directory (default: the embedded tiny model), e.g. out/tiny-nosa",
     )
     add("--prompt", action="append", help="prompt text; repeat for a batch of different prompts")
     add("--prompt-file", action="append", help="read a prompt from this file (repeatable)")
-    add("--max-new-tokens", type=int, default=300, help="tokens to generate per sequence")
+    add("--max-new-tokens", type=int, help="tokens to generate per sequence")
     add(
         "--requests",
         metavar="FILE",
@@ -643,7 +642,6 @@ def cli(argv=None):
     add(
         "--max-stall",
         type=float,
-        default=2.0,
         help="served: a decode step beside a prefill takes at most this many times a step alone",
     )
     add(
@@ -652,11 +650,14 @@ def cli(argv=None):
         help="rows: sequences decoded together (default: one per prompt; prompts are cycled over "
         "more rows, and more prompts than rows are served by continuous batching)",
     )
-    add("--temperature", type=float, default=0.8, help="0 for greedy decoding")
-    add("--top-k", type=int, default=50, help="sample among the k most likely tokens (0: all)")
+    add("--temperature", type=float, help="0 for greedy decoding")
+    add("--top-k", type=int, help="sample among the k most likely tokens (0: all)")
     add("--offload", action="store_true", help="keep the KV cache in host memory (NOSI)")
     add("--device", help="cuda or cpu (default: cuda when available)")
-    add("--seed", type=int, default=1337)
+    add(
+        "--seed",
+        type=int,
+    )
     add("--quiet", action="store_true", help="print only the statistics, not the text")
     add("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
     add("--profile", metavar="TRACE.json", help="write a profiler trace of the generation")
@@ -688,7 +689,6 @@ def cli(argv=None):
     add("--chunk", type=int, help="prefill chunk in tokens (default: the largest that fits)")
     add(
         "--compile",
-        default="auto",
         choices=("auto", "on", "off"),
         help="GPU: torch.compile the decode step and a prefill's chunks (auto: where it pays)",
     )
@@ -698,6 +698,7 @@ def cli(argv=None):
         help="GPU, offloaded: decode the batch in this many parts, "
         "one's transfers under the other's compute (default: 2 from a batch of 16)",
     )
+    p.set_defaults(**{f.name: f.default for f in fields(Options)})  # the one source of defaults
     a = vars(p.parse_args(argv))
     files = a.pop("prompt_file") or []
 

@@ -204,9 +204,8 @@ def main(**flags):
             f"{run['corpus']}) | {o.steps} steps x {o.batch_size * world} x {o.seq_len} tokens "
             f"| {device} | checkpoints to {o.out}"
         )
-    step, val_loss = train_steps(
-        o, model, raw, opt, evict, step, tok, train_data, val_data, run, device, rank, world
-    )
+    job = Job(device, rank, world, model, raw, opt, evict, tok, train_data, val_data, run)
+    step, val_loss = train_steps(o, job, step)
     if master and step == o.steps:
         print(f"done: generate with `python generate.py --checkpoint {o.out}`")
     elif master:
@@ -485,12 +484,32 @@ def resume(model, opt, state, out, device, master):
     return state["step"]
 
 
-def train_steps(
-    o, model, raw, opt, evict, step, tok, train_data, val_data, run, device, rank, world
-):
-    """The loop: a step, a log line every log_every steps, validation and a checkpoint every
-    eval_every; Ctrl-C says where the last checkpoint is. Returns (step, last validation loss)."""
-    master = rank == 0
+@dataclass
+class Job:
+    """One process's part of a run, made by main and passed whole: where it runs (device, rank of
+    world), the model (model: the DDP wrapper where several processes train, raw: the module), its
+    optimizer and whether it trains an eviction head (evict), the tokenizer and the token streams,
+    and the run's record (run_record)."""
+
+    device: torch.device
+    rank: int
+    world: int
+    model: torch.nn.Module
+    raw: torch.nn.Module
+    opt: torch.optim.Optimizer
+    evict: bool
+    tok: object
+    train_data: object
+    val_data: object
+    run: dict
+
+
+def train_steps(o, job, step):
+    """The loop from `step`: a step, a log line every log_every steps, validation and a checkpoint
+    every eval_every; Ctrl-C says where the last checkpoint is. Returns (step, last validation
+    loss)."""
+    model, raw, opt, device, world = job.model, job.raw, job.opt, job.device, job.world
+    master = job.rank == 0
     t0 = t_last = time.time()
     logged = step  # the step of the last log line
     start, val_loss = step, None
@@ -501,15 +520,15 @@ def train_steps(
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, o.steps, o.lr, o.warmup) * g.get("lr_mult", 1.0)
             x, y, w = get_batch(
-                train_data,
+                job.train_data,
                 o.batch_size,
                 o.seq_len,
                 o.seed,
                 step,
-                rank,
+                job.rank,
                 device,
                 o.tasks,
-                tok,
+                job.tok,
                 o.answer_weight,
             )
             with torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"):
@@ -531,11 +550,11 @@ def train_steps(
                     flush=True,
                 )
             if master and (step % o.eval_every == 0 or step == stop_at):
-                val_loss = evaluate(raw, val_data, o.batch_size, o.seq_len, device)
+                val_loss = evaluate(raw, job.val_data, o.batch_size, o.seq_len, device)
                 # how far they moved from their start at 0
                 gates = (
                     ""
-                    if not evict
+                    if not job.evict
                     else " | eviction gates A per layer: "
                     + " | ".join(
                         " ".join(f"{a:+.2f}" for a in layer.self_attn.A.tolist())
@@ -548,14 +567,14 @@ def train_steps(
                     steps=o.steps,
                     val_loss=val_loss,
                     attn=o.attn,
-                    **run,
+                    **job.run,
                     data=o.data or "stdlib",
-                    train_tokens=len(train_data),
+                    train_tokens=len(job.train_data),
                     init_from=o.init_from,
                 )
                 checkpoint.save(
                     raw,
-                    tok,
+                    job.tok,
                     o.out,
                     dtype=torch.bfloat16 if o.save_bf16 else None,
                     optimizer=opt,
@@ -595,8 +614,8 @@ def parse_overrides(items):
 
 def cli(argv=None):
     p = argparse.ArgumentParser(description="Train a NOSA model on an offline corpus.")
-    p.add_argument("--preset", default="tiny", help="config preset (config.PRESETS)")
-    p.add_argument("--attn", default="nosa", choices=config.MODES, help="attention mode")
+    p.add_argument("--preset", help="config preset (config.PRESETS)")
+    p.add_argument("--attn", choices=config.MODES, help="attention mode")
     p.add_argument(
         "--out", help="checkpoint directory (default: out/PRESET-ATTN in the repository)"
     )
@@ -605,20 +624,19 @@ def cli(argv=None):
         "--data-dir",
         help="where the tokenizer and token streams are cached (default: data/ in the repository)",
     )
-    p.add_argument(
-        "--steps", type=int, default=120, help="optimizer steps (the length of the schedule)"
-    )
+    p.add_argument("--steps", type=int, help="optimizer steps (the length of the schedule)")
     p.add_argument(
         "--stop-at", type=int, help="checkpoint and stop after this step; --resume continues"
     )
-    p.add_argument("--batch-size", type=int, default=4, help="sequences per step (per process)")
-    p.add_argument("--seq-len", type=int, default=1024, help="training length in tokens")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    p.add_argument("--warmup", type=int, default=20, help="warm-up steps")
+    p.add_argument("--batch-size", type=int, help="sequences per step (per process)")
+    p.add_argument("--seq-len", type=int, help="training length in tokens")
+    p.add_argument("--lr", type=float, help="peak learning rate")
+    p.add_argument("--warmup", type=int, help="warm-up steps")
+    p.add_argument("--eval-every", type=int, help="validate and checkpoint every N steps")
     p.add_argument(
-        "--eval-every", type=int, default=40, help="validate and checkpoint every N steps"
+        "--seed",
+        type=int,
     )
-    p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     p.add_argument("--resume", action="store_true", help="continue the run saved in --out")
     p.add_argument(
@@ -632,20 +650,17 @@ def cli(argv=None):
     p.add_argument(
         "--evict-lr-mult",
         type=float,
-        default=1.0,
         help="learning rate of the eviction head (A, W_δ) as a multiple of --lr",
     )
     p.add_argument(
         "--tasks",
         type=float,
-        default=0.0,
         metavar="FRACTION",
         help="replace this fraction of the training windows by long-range recall tasks (tasks.py)",
     )
     p.add_argument(
         "--answer-weight",
         type=float,
-        default=1.0,
         metavar="W",
         help="weight of the tasks' answer tokens in the loss, against 1 for every other token",
     )
@@ -663,6 +678,7 @@ def cli(argv=None):
         metavar="FIELD=VALUE",
         help="override a config field of the preset, e.g. --set k=32 --set n_layer=6",
     )
+    p.set_defaults(**{f.name: f.default for f in fields(Options)})  # the one source of defaults
     a = vars(p.parse_args(argv))
     sets = a.pop("set")
     return common.run_cli(lambda: main(**a, **parse_overrides(sets)))
