@@ -247,6 +247,21 @@ def test_a_fixed_token_budget_sets_the_chunks_a_step_waits_for(embedded):
     )
 
 
+def test_a_halved_chunk_serves_the_same_tokens(embedded):
+    """Prompts prefilled in chunks a quarter of the planned one (the stall budget halved it twice)
+    give the tokens they give alone."""
+    model, text = embedded
+    ids, news = prompts(text, [30, 300, 170]), [40, 6, 6]
+    alone = [generate.generate(model, [p], n)[0] for p, n in zip(ids, news)]
+    reqs = [serve.Request(p, n) for p, n in zip(ids, news)]
+    budget = serve.Budget(model.cfg.n_layer, least=16)
+    budget.halved, budget.ended = 2, lambda: None  # held there, whatever the CPU's timing
+    cache = KVCache(model.cfg, 2, "cpu", torch.float32, 320)
+    serve.serve(model, reqs, cache, lambda x: x.argmax(-1), chunk=64, budget=budget)
+    assert [r.out for r in reqs] == alone
+    assert budget.c == 16
+
+
 def test_the_stall_budget_grows_within_the_stall_and_shrinks_beyond():
     b = serve.Budget(n_layer=32, stall=2.0)
     b.turn(0.010, 0)  # a step alone: 10 ms
