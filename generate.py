@@ -30,6 +30,7 @@ import fast
 import memory
 import offload
 import serve
+import tp
 from config import Config
 from kvcache import KVCache
 from model import Transformer
@@ -181,7 +182,10 @@ def main(**flags):
     The memory budgets (memory.plan_memory) are checked before anything is allocated."""
     o = Options(**flags)
     o.check()
-    device = common.pick_device(o.device)
+    rank, world, device = tp.init()  # under torchrun: tensor parallelism over the KV heads
+    device = device or common.pick_device(o.device)
+    if rank:  # one process prints
+        sys.stdout = open(os.devnull, "w")
     requests = []  # the file read and checked before the model is loaded
     if o.requests:
         requests = serve.parse_requests(read_prompt(o.requests, "--requests"), o.requests)
@@ -194,6 +198,8 @@ def main(**flags):
     torch.manual_seed(o.seed)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model, tokenizer = load(o, device, dtype)
+    if world > 1:
+        tp.shard(model, rank, world)
     prompts, ids, news, names = encode(o, model, tokenizer, requests)
     P, max_len = max(map(len, ids)), max(len(p) + n for p, n in zip(ids, news))
     if o.random:  # any length: a random model has no trained context
@@ -272,7 +278,8 @@ class Plan:
 def plan(o, model, pl):
     """The budgets (GiB flags, else the GPU's free memory and what the host has) and the memory
     plan (memory.plan_memory), into pl."""
-    pl.weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    tensors = [*model.parameters(), *model.buffers()]  # (of this process's shard, under tp.py)
+    pl.weights = sum(t.numel() * t.element_size() for t in tensors)
     pl.gpu = o.gpu_budget and o.gpu_budget * 2**30
     if pl.gpu is None and pl.device.type == "cuda":
         pl.gpu = torch.cuda.mem_get_info(pl.device)[0] + torch.cuda.memory_allocated(pl.device)
@@ -434,6 +441,7 @@ def report(o, cache, pl, ids, out, progress):
         f"{cache.cfg.attn}, {device})"
     )
     if o.offload:
+        tp.gather_stats(cache.stats)  # every rank's heads, under torchrun
         print(cache.stats.summary())
     if device.type == "cuda":
         print(
@@ -484,6 +492,7 @@ def serve_requests(o, model, tokenizer, cache, pl, requests):
     )
     print(budget.summary())
     if o.offload:
+        tp.gather_stats(cache.stats)  # every rank's heads, under torchrun
         print(cache.stats.summary())
     if device.type == "cuda":
         print(f"GPU memory: {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB at the peak")

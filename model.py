@@ -115,8 +115,11 @@ class Attention(nn.Module):
         q = q.view(Bz, T, cfg.H_q, d).transpose(1, 2)  # (Bz, H_q, T, d)
         k = k.view(Bz, T, cfg.H_kv, d).transpose(1, 2)  # (Bz, H_kv, T, d)
         v = v.view(Bz, T, cfg.H_kv, d).transpose(1, 2)  # (Bz, H_kv, T, d)
-        c = eviction.eviction_score(v, self.A, self.delta.weight) if cfg.eviction_head else None
+        c = self.eviction(v) if cfg.eviction_head else None
         return apply_rope(q, rope), apply_rope(k, rope), v, c
+
+    def eviction(self, v):  # c (Bz, H_kv, T) from v (Bz, H_kv, T, d): ED-DMA's head (eviction.py)
+        return eviction.eviction_score(v, self.A, self.delta.weight)
 
     def forward(self, x, rope, cache=None, prompt=None):
         """x (Bz, T, dim) -> (Bz, T, dim), one of three ways:

@@ -1,0 +1,91 @@
+"""Tensor parallelism over KV heads (tp.py) on CPUs, gloo between processes: the sharded model's
+offloaded decode gives the single process's logits in every mode, each rank moves exactly the blocks
+one process moves for its heads, and a shape that does not divide is one line."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import tp
+from config import Config
+from kvcache import KVCache
+from offload import OffloadCache
+from tests.conftest import decode_logits, make_model, small
+
+MODES = ("nosa", "infllmv2", "dma", "full")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def new_cache(cfg, Bz):
+    if cfg.attn == "full":
+        return KVCache(cfg, Bz, "cpu", torch.float64, 200)
+    return OffloadCache(cfg, Bz, "cpu", torch.float64, max_len=200)
+
+
+def worker(rank, world, port, shape):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        for attn in MODES:
+            torch.manual_seed(0)  # the same model and tokens in every process
+            model = make_model(attn, torch.float64, **shape)
+            cfg = model.cfg
+            idx = torch.randint(0, cfg.vocab_size, (3, 170))
+            lens = [5, 37, 90]  # ragged; 80+ tokens decoded after the longest
+            whole = new_cache(cfg, 3)
+            ref = decode_logits(model, idx, lens, whole)
+            tp.shard(model, rank, world)
+            part = new_cache(model.cfg, 3)
+            got = decode_logits(model, idx, lens, part)
+            for r, g in zip(ref, got):
+                assert (r - g).abs().max() <= 1e-9, (attn, rank, float((r - g).abs().max()))
+            if attn != "full":  # the rank's rows (sequence, KV head) of the single process's
+                h = model.cfg.H_kv
+                rows = [s * cfg.H_kv + rank * h + j for s in range(3) for j in range(h)]
+                assert torch.equal(part.stats.moved, whole.stats.moved[:, rows]), (attn, rank)
+                assert torch.equal(part.stats.needed, whole.stats.needed[:, rows]), (attn, rank)
+                assert part.stats.moved.sum() > 0 or attn == "dma"  # (DMA: resident already)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world, shape", [(2, {}), (3, dict(H_q=6, H_kv=3))])
+def test_tensor_parallel_decode_equals_one_process(world, shape):
+    mp.spawn(worker, args=(world, free_port(), shape), nprocs=world)
+
+
+def test_a_shape_that_does_not_divide_is_one_line():
+    cfg = Config.from_preset("tiny", **small)  # H_kv = 2
+    with pytest.raises(ValueError, match="cannot share H_kv=2"):
+        tp.check(cfg, 3)
+    with pytest.raises(ValueError, match="hidden_dim=96 is not a multiple of 5"):
+        tp.check(Config.from_preset("tiny", **{**small, "H_q": 10, "H_kv": 5}), 5)
+
+
+def test_torchrun_generate_prints_what_one_process_prints():
+    """`torchrun --nproc_per_node=2 generate.py --offload`: the two processes of the embedded model
+    print the text one process prints (greedy)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    flags = ["generate.py", "--offload", "--max-new-tokens", "24", "--temperature", "0"]
+    run = lambda cmd: (
+        subprocess.run(
+            cmd + flags, cwd=root, capture_output=True, text=True, timeout=300, check=True
+        ).stdout
+    )
+    text = lambda out: [line for line in out.splitlines() if "tokens/s" not in line]
+    one = run([sys.executable])
+    two = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"])
+    assert text(one) == text(two) and len(text(one)) > 3
