@@ -106,6 +106,7 @@ class Options:
     tasks: float = 0.0
     corpus: str = None
     answer_weight: float = 1.0
+    fsdp: bool = False  # under torchrun: weights, gradients and optimizer state sharded (FSDP2)
 
     def check(self):
         """One line for a flag out of range, before any work."""
@@ -144,6 +145,11 @@ class Options:
         if self.data_dir and os.path.isfile(self.data_dir):
             raise ValueError(
                 f"--data-dir {self.data_dir} is a file; give a directory (the cache of token streams)"
+            )
+        if self.fsdp and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            raise ValueError(
+                "--fsdp shards the model over processes: run it under torchrun "
+                "--nproc_per_node=N (N >= 2)"
             )
         if self.init_from and self.resume:
             raise ValueError(
@@ -189,12 +195,14 @@ def main(**flags):
     model = Transformer(cfg).to(device)
     if init:
         start_from(model, init[0], o.init_from, master)
+    if o.fsdp:  # the optimizer is made over the shards
+        fully_shard_blocks(model, device)
     opt, evict = optimizer(model, o, device)
     step = 0
     if o.resume:
-        step = resume(model, opt, state, o.out, device, master)
+        step = resume(model, opt, state, o, device, master)
     raw = model
-    if world > 1:
+    if world > 1 and not o.fsdp:
         ids = [device.index] if device.type == "cuda" else None
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
     if master:
@@ -372,6 +380,7 @@ def run_record(o, cfg, state, world, master, model_tok=None):
         corpus=corpus,
         tasks=o.tasks,
         answer_weight=o.answer_weight,
+        fsdp=o.fsdp,
     )
     if state:  # continue exactly that run (older checkpoints lack some of these)
         flag = dict(
@@ -463,16 +472,24 @@ def optimizer(model, o, device):
     return opt, bool(evict)
 
 
-def resume(model, opt, state, out, device, master):
+def resume(model, opt, state, o, device, master):
     """The saved run's weights and optimizer state (its config and flags: run_record); returns its
-    step."""
+    step. Under --fsdp each process takes its shards of them (the checkpoint holds them whole)."""
+    out = o.out
     saved, _ = checkpoint.load(out, device, dtype=torch.float32)
-    model.load_state_dict(saved.state_dict())
     model.eos_ids, model.chat_template = saved.eos_ids, saved.chat_template
     model.special_tokens = saved.special_tokens
+    if not o.fsdp:
+        model.load_state_dict(saved.state_dict())
     path = os.path.join(out, "optimizer.pt")
     try:
-        opt.load_state_dict(torch.load(path, map_location=device, weights_only=True))
+        opt_state = torch.load(path, map_location=device, weights_only=True)
+        if o.fsdp:  # whole into a plain optimizer of the saved weights, then shard by shard
+            whole, _ = optimizer(saved, o, device)
+            whole.load_state_dict(opt_state)
+            to_shards(model, opt, saved, whole)
+        else:
+            opt.load_state_dict(opt_state)
     except Exception as e:  # missing, truncated, or another run's
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
         raise ValueError(
@@ -482,6 +499,48 @@ def resume(model, opt, state, out, device, master):
     if master:
         print(f"resumed from {out} at step {state['step']}")
     return state["step"]
+
+
+def fully_shard_blocks(model, device):
+    """FSDP2 (torch.distributed.fsdp.fully_shard), as torchtitan applies it: each block a unit, then
+    the rest; on GPUs the blocks compute in bf16 and reduce gradients in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if device.type == "cuda" else None
+    kw = dict(mp_policy=mp) if mp else {}
+    for block in model.layers:
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+
+
+def gathered(model, opt, o):
+    """An FSDP2 model's weights and optimizer state gathered whole on the CPU, in every process (a
+    collective): a plain model and its optimizer, saved as any run's are."""
+    whole = lambda t: t.full_tensor().cpu() if hasattr(t, "full_tensor") else t.cpu()
+    plain = Transformer(model.cfg)
+    plain.load_state_dict({n: whole(p) for n, p in model.named_parameters()})
+    for name in ("eos_ids", "chat_template", "special_tokens"):
+        if hasattr(model, name):
+            setattr(plain, name, getattr(model, name))
+    plain_opt, _ = optimizer(plain, o, torch.device("cpu"))
+    for p, q in zip(model.parameters(), plain.parameters()):
+        if p in opt.state:
+            plain_opt.state[q] = {k: whole(v) for k, v in opt.state[p].items()}
+    return plain, plain_opt
+
+
+def to_shards(model, opt, plain, plain_opt):
+    """The twin of gathered: a plain model's weights and optimizer state into each process's
+    shards of the FSDP2 model (parameters in the same order)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    shard = lambda t, p: distribute_tensor(t.to(p.device), p.device_mesh, p.placements)
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), plain.parameters()):
+            p.copy_(shard(q, p))
+            if q in plain_opt.state:
+                st = plain_opt.state[q]
+                opt.state[p] = {k: shard(v, p) if v.dim() else v.clone() for k, v in st.items()}
 
 
 @dataclass
@@ -549,8 +608,12 @@ def train_steps(o, job, step):
                     f"{left / 60:.1f} min left",
                     flush=True,
                 )
-            if master and (step % o.eval_every == 0 or step == stop_at):
+            if (master or o.fsdp) and (step % o.eval_every == 0 or step == stop_at):
+                # under FSDP every process takes part: the forward and the gathering are collective
                 val_loss = evaluate(raw, job.val_data, o.batch_size, o.seq_len, device)
+                whole, whole_opt = gathered(raw, opt, o) if o.fsdp else (raw, opt)
+                if not master:
+                    continue  # (the rest of the loop is the first process's)
                 # how far they moved from their start at 0
                 gates = (
                     ""
@@ -558,7 +621,7 @@ def train_steps(o, job, step):
                     else " | eviction gates A per layer: "
                     + " | ".join(
                         " ".join(f"{a:+.2f}" for a in layer.self_attn.A.tolist())
-                        for layer in raw.layers
+                        for layer in whole.layers
                     )
                 )
                 print(f"step {step} | val loss {val_loss:.3f}{gates}", flush=True)
@@ -573,11 +636,11 @@ def train_steps(o, job, step):
                     init_from=o.init_from,
                 )
                 checkpoint.save(
-                    raw,
+                    whole,
                     job.tok,
                     o.out,
                     dtype=torch.bfloat16 if o.save_bf16 else None,
-                    optimizer=opt,
+                    optimizer=whole_opt,
                     train_state=state,
                 )
                 saved = step
@@ -663,6 +726,13 @@ def cli(argv=None):
         type=float,
         metavar="W",
         help="weight of the tasks' answer tokens in the loss, against 1 for every other token",
+    )
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="under torchrun: shard the weights, gradients and optimizer state over the processes "
+        "(FSDP2, a block a unit; bf16 compute and fp32 reductions on GPUs); the checkpoint is "
+        "saved gathered",
     )
     p.add_argument(
         "--corpus",

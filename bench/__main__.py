@@ -4,6 +4,7 @@ import argparse
 import json
 import math
 import os
+import subprocess
 import sys
 
 # the repository's modules
@@ -350,13 +351,29 @@ def cli(argv=None):
         default=1024,
         help="quality: tokens generated (and teacher-forced window)",
     )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="throughput: tensor parallelism over the KV heads in this many processes (tp.py; "
+        "one GPU each, started with torchrun)",
+    )
     a = p.parse_args(argv)
+    if a.tp < 1 or a.tp > 1 and a.what != "throughput":
+        p.error("--tp N: N >= 1, with throughput")
+    if a.tp > 1 and "WORLD_SIZE" not in os.environ:  # the same command in N processes
+        run = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        argv = sys.argv[1:] if argv is None else argv
+        sys.exit(subprocess.call(run + [f"--nproc_per_node={a.tp}", __file__, *argv]))
+    if int(os.environ.get("RANK", "0")):  # one process prints and writes
+        sys.stdout, a.json = open(os.devnull, "w"), None
     kw = {}
     if a.what in ("throughput", "requests"):  # the flags the two share, then each one's own
         kw = dict(shape=a.shape, prompt_len=a.prompt_len, budget_gb=a.budget_gb, steps=a.steps)
         kw["host_gb"] = a.host_gb
     if a.what == "throughput":
         kw.update(batch_limit=a.max_batch, trained=a.trained, micro_batches=a.micro_batches)
+        kw.update(tp=a.tp)
     if a.what == "requests":
         kw.update(requests=a.requests, new_tokens=a.new_tokens, served=a.served)
         if a.rates and not a.served:

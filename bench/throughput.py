@@ -10,6 +10,7 @@ import memory
 import nosa
 import offload
 import offload_kernels
+import tp as tp_
 from bench import hbm_bandwidth, pinned_bandwidth
 from bench.quality import trained_path
 from config import Config
@@ -115,6 +116,7 @@ def bench_throughput(
     eager_steps=8,
     systems=tuple(SYSTEMS),
     micro_batches=(2,),
+    tp=1,
 ):
     """Steady-state decode tokens/s at a fixed GPU memory budget. Each system gets the largest batch
     whose weights + KV cache (memory.cache_bytes) + activations fit the budget, the activations
@@ -127,12 +129,15 @@ def bench_throughput(
     Per system: eager steps timed, then the same step as a CUDA graph (fast.GraphedDecode;
     offloading systems once per number of micro-batches asked for, their parts side by side in the
     graph), then eager steps under the profiler, split by phase (weights, selection, transfer,
-    attention: the profiler's ranges) and the gathers' time and bytes."""
+    attention: the profiler's ranges) and the gathers' time and bytes. tp > 1 (under torchrun,
+    bench --tp): every process keeps its share of the KV heads (tp.py), at budget_gb each; the
+    counts of blocks are its own heads'."""
     from dataclasses import replace
 
     from kvcache import KVCache
     from model import Transformer
 
+    rank, world = tp_.init()[:2] if tp > 1 else (0, 1)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     cuda = dev == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -159,6 +164,8 @@ def bench_throughput(
             with torch.device(dev):
                 model = Transformer(replace(base, attn=attn)).to(dtype)
         model.eval()
+        if world > 1:
+            tp_.shard(model, rank, world)
         if cuda:  # the decode step's small operations compiled, as generate.py does for long runs
             fast.compile_model(model)
         cfg = model.cfg
@@ -187,7 +194,7 @@ def bench_throughput(
             > free
         ):
             Bz -= 1
-        row = dict(system=system, micro_batches=mb, batch=Bz)
+        row = dict(system=system, micro_batches=mb, batch=Bz) | ({"tp": world} if world > 1 else {})
         rows.append(row)
         if Bz == 0:
             continue

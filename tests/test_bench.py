@@ -1,6 +1,8 @@
 """python -m bench throughput on CPU (random weights, small sizes): the memory model, the locality bound
 in the measured hit rate, and the rows it reports. Speed is measured on the GPU, not here."""
 
+import os
+
 import pytest
 import torch
 
@@ -379,3 +381,20 @@ def test_bench_plot_without_matplotlib_says_how_to_get_it(monkeypatch, capsys):
         capsys.readouterr().err
         == "error: bench plot draws with matplotlib: pip install matplotlib\n"
     )
+
+
+def test_throughput_bench_with_tensor_parallelism_small():
+    """python -m bench throughput --tp 2 starts itself in two processes (torchrun; gloo on CPU),
+    each with half the KV heads, and the first prints the rows."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "bench", "throughput", "--shape", "tiny", "--tp", "2"]
+    cmd += ["--budget-gb", "0.02", "--steps", "4", "--systems", "nosa-offload"]
+    r = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    rows = [
+        line for line in r.stdout.splitlines() if line.startswith("{'system': 'nosa + offload'")
+    ]
+    assert len(rows) == 1 and "'tp': 2" in rows[0] and "'batch': 0" not in rows[0]
