@@ -210,6 +210,11 @@ def main(**flags):
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
     batch = o.batch or len(ids)
+    if world > 1 and (o.requests is not None or batch < len(ids)):
+        raise ValueError(
+            "serving requests under torchrun is not supported: its schedule follows each "
+            "process's clock, and the processes must step together; serve in one process"
+        )
     if o.offload:
         offload.check_mode(model.cfg)
     pl = Plan(device, dtype, batch, P, max_len, serving=o.requests is not None or batch < len(ids))

@@ -89,3 +89,21 @@ def test_torchrun_generate_prints_what_one_process_prints():
     one = run([sys.executable])
     two = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"])
     assert text(one) == text(two) and len(text(one)) > 3
+
+
+def test_torchrun_refuses_serving_and_heads_that_do_not_divide():
+    """Serving's schedule follows each process's clock, so under torchrun it is refused in one
+    line; so are 3 processes for the embedded model's 2 KV heads."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = lambda n, *flags: subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", "generate.py"]
+        + list(flags),
+        cwd=root, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    r = run(2, "--requests", "requests.jsonl", "--batch", "1", "--max-new-tokens", "4")
+    assert r.returncode != 0 and "serving requests under torchrun is not supported" in r.stderr
+    r = run(3, "--max-new-tokens", "4")
+    assert r.returncode != 0 and "3 processes cannot share H_kv=2" in r.stderr
