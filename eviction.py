@@ -187,17 +187,17 @@ def core_picks(ids, taken, n_core, nb):
     return mask.scatter_(-1, torch.where(pick, ids, nb), True)[..., :nb]
 
 
-def join_leaver(core_ids, core_E, c_sub, pos, cfg):
+def join_leaver(list_ids, list_E, c_sub, pos, cfg):
     """The eviction policy at a decode step, in place: at a block's first token (pos (Bz,)) the block
     n_win + 1 back leaves the window and competes with each row's list (join_core_list). Its E is
     final: the sub-blocks that overlap it are complete (a check of config.Config).
-    core_ids, core_E (Bz, H_kv, n); c̃ (Bz, H_kv, M). Kernel: eviction_kernels.join_leaver."""
+    list_ids, list_E (Bz, H_kv, n); c̃ (Bz, H_kv, M). Kernel: eviction_kernels.join_leaver."""
     if use_kernels(c_sub):
-        return eviction_kernels.join_leaver(core_ids, core_E, c_sub, pos, cfg)
+        return eviction_kernels.join_leaver(list_ids, list_E, c_sub, pos, cfg)
     b_new = pos // cfg.B - cfg.n_win - 1
     b_new = torch.where((pos % cfg.B == 0) & (b_new >= cfg.n_sink), b_new, -1)
     b_new = b_new[:, None].expand(-1, cfg.H_kv)
     E_new = block_score(c_sub, b_new.clamp(min=0), cfg)
-    ids, E = join_core_list(core_ids, core_E, b_new, E_new)
-    core_ids.copy_(ids)
-    core_E.copy_(E)
+    ids, E = join_core_list(list_ids, list_E, b_new, E_new)
+    list_ids.copy_(ids)
+    list_E.copy_(E)

@@ -139,13 +139,13 @@ def _join_leaver_kernel(
     tl.store(ES + r * N + e, E, mask=join)
 
 
-def join_leaver(core_ids, core_E, c_sub, pos, cfg):
+def join_leaver(list_ids, list_E, c_sub, pos, cfg):
     """eviction.join_leaver (same arguments), one program per row."""
-    Bz, H_kv, n = core_ids.shape
+    Bz, H_kv, n = list_ids.shape
     r, p = cfg.r, cfg.p
     _join_leaver_kernel[(Bz * H_kv,)](
-        core_ids,
-        core_E,
+        list_ids,
+        list_E,
         c_sub,
         pos,
         c_sub.shape[2],

@@ -121,12 +121,12 @@ def grow(t, n, dim):
 class SubBlockCache:
     """Per layer, the pooled state selection reads: K̃ (Bz, H_kv, M, d) and c̃ (Bz, H_kv, M), the
     rings of the last l_c keys and scores they are pooled from, and each row's E-list: its best
-    n_list = n_core + k_q - 1 candidates by E (core_ids, their scores core_E), best first, all a
+    n_list = n_core + k_q - 1 candidates by E (list_ids, their scores list_E), best first, all a
     decode step needs of E. Stored here only: nosa.update_pooled changes it a token at a time, and
     a prompt's is written whole (prefill). Both caches use it."""
 
     # one tensor per layer, a row per sequence
-    BUFFERS = ("ring_k", "ring_c", "K_sub", "c_sub", "core_ids", "core_E")
+    BUFFERS = ("ring_k", "ring_c", "K_sub", "c_sub", "list_ids", "list_E")
 
     def __init__(self, cfg, Bz, device, dtype, max_len=0):
         self.cfg = cfg
@@ -140,8 +140,8 @@ class SubBlockCache:
         new = lambda fill, dt: [
             torch.full((Bz, H, n), fill, dtype=dt, device=device) for _ in range(L)
         ]
-        self.core_ids = new(-1, torch.long) if n else None
-        self.core_E = new(float("-inf"), cdt) if n else None
+        self.list_ids = new(-1, torch.long) if n else None
+        self.list_E = new(float("-inf"), cdt) if n else None
 
     def rows(self, a, b):
         """The caches of sequences a..b-1 (views; see offload.OffloadCache.split)."""
@@ -162,7 +162,7 @@ class SubBlockCache:
         (ids, scores)) (prefill.PromptLayer.pooled, or nosa.pooled_prompt). put: how the rings and
         the list are written (Cache.put)."""
         cfg, T = self.cfg, k.shape[1]
-        K_sub, c_sub, core = pooled  # (H_kv, M, d), (H_kv, M), (H_kv, n) twice
+        K_sub, c_sub, e_list = pooled  # (H_kv, M, d), (H_kv, M), (H_kv, n) twice
         M = K_sub.shape[1]
         self.reserve(layer, T)
         self.K_sub[layer][seq, :, :M] = K_sub
@@ -172,9 +172,9 @@ class SubBlockCache:
         if c is not None:
             self.c_sub[layer][seq, :, :M] = c_sub
             put(seq, self.ring_c[layer], ring, c[:, tail])
-        if self.core_ids:  # as of the last prompt token: the next step adds what leaves the window
-            put(seq, self.core_ids[layer], seq, core[0])
-            put(seq, self.core_E[layer], seq, core[1])
+        if self.list_ids:  # as of the last prompt token: the next step adds what leaves the window
+            put(seq, self.list_ids[layer], seq, e_list[0])
+            put(seq, self.list_E[layer], seq, e_list[1])
 
 
 class KVCache(Cache):

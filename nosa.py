@@ -12,6 +12,9 @@ Notation (docs/METHOD.md §2; the parameters are config.Config's fields):
   Q[t, b]     query-aware block score (pooling.py);  E[b] query-agnostic eviction score (eviction.py)
   Γ_q(t)      F(t) + the k_q - 1 best other causal blocks by Q
   Γ(t)        Γ_q(t) + the best remaining causal blocks by E, up to k in all
+  E-list      the best n_list = n_core + k_q - 1 candidates by E, best first (eviction.core_list):
+              its block ids list_ids and their scores list_E; one per query block (lists) in the
+              parallel forward, one per row in decoding, kept by the eviction policy
   H_q, H_kv   query and KV heads, G = H_q / H_kv query heads share one KV head and one selection
 
 How the budget splits (the authors' reading, which makes the theorem hold at every step; docs/METHOD.md
@@ -54,13 +57,13 @@ from common import tile_size, use_kernels
 # Dual selection
 
 
-def select_blocks(Q, E, q_pos, cfg, core_ids=None):
+def select_blocks(Q, E, q_pos, cfg, list_ids=None):
     """Γ(t) for every query as a block mask.
 
     Q: (..., T, nb) query-aware scores, E: (..., nb) eviction scores, q_pos: (..., T) positions.
     Instead of E, a list of the best n_core + k_q - 1 candidates by E, best first (eviction.core_list)
-    may come, the same for every query (core_ids (..., n): decoding, which keeps it by the eviction
-    policy) or one per query (core_ids (..., T, n): select makes them per query block); E is then None.
+    may come, the same for every query (list_ids (..., n): decoding, which keeps it by the eviction
+    policy) or one per query (list_ids (..., T, n): select makes them per query block); E is then None.
     Returns a bool mask (..., T, nb): True where block b is selected for the query at q_pos.
     Not differentiable: top-k and pooling carry no gradient."""
     nb = Q.shape[-1]
@@ -71,10 +74,10 @@ def select_blocks(Q, E, q_pos, cfg, core_ids=None):
     cand = causal & ~forced
     pick_q = eviction.top_desc(Q, cand, cfg.k_q_free)  # Γ_q(t) \ F(t)
     # E-picks: the core, with the core members Q already took replaced by the next best by E
-    if core_ids is not None:  # the first n_core members of the list that Q did not take
-        if core_ids.dim() < Q.dim():  # one list for all T queries
-            core_ids = core_ids.unsqueeze(-2).expand(*Q.shape[:-1], core_ids.shape[-1])
-        ids = core_ids  # (..., T, n)
+    if list_ids is not None:  # the first n_core members of the list that Q did not take
+        if list_ids.dim() < Q.dim():  # one list for all T queries
+            list_ids = list_ids.unsqueeze(-2).expand(*Q.shape[:-1], list_ids.shape[-1])
+        ids = list_ids  # (..., T, n)
         pick_e = eviction.core_picks(ids, pick_q.gather(-1, ids.clamp(min=0)), cfg.n_core, nb)
     elif E is not None:
         rest = cand & ~pick_q
@@ -85,19 +88,19 @@ def select_blocks(Q, E, q_pos, cfg, core_ids=None):
     return torch.where(few, causal, forced | pick_q | pick_e)
 
 
-def select(q, K_sub, core_ids, q_pos, nb, cfg):
+def select(q, K_sub, list_ids, q_pos, nb, cfg):
     """Score, then select: the path from the pooled caches to Γ(t) as a block mask, the one a decode step
     takes (nosa_decode) and the twin of the parallel forward's (select_tiles), so both pick the same blocks.
 
     q (Bz, H_q, T, d) at positions q_pos (Bz, T); K̃ (Bz, H_kv, M, d) compressed keys; nb blocks to
-    score; core_ids the list of the best n_core + k_q - 1 candidates by E, best first: one per query
+    score; list_ids the list of the best n_core + k_q - 1 candidates by E, best first: one per query
     (Bz, H_kv, T, n), from core_lists, or one per row (Bz, H_kv, n) kept by the eviction policy (a
     decode step: kvcache.SubBlockCache); None in a mode without E-picks.
     Returns the block mask (Bz, H_kv, T, nb)."""
     Q = pooling.query_aware_scores(q, K_sub, q_pos, nb, cfg)  # (Bz, H_kv, T, nb)
-    if q.shape[2] == 1 and (core_ids is None or core_ids.dim() == 3):
-        return select_step(Q, core_ids, q_pos, cfg)
-    return select_blocks(Q, None, q_pos[:, None], cfg, core_ids)
+    if q.shape[2] == 1 and (list_ids is None or list_ids.dim() == 3):
+        return select_step(Q, list_ids, q_pos, cfg)
+    return select_blocks(Q, None, q_pos[:, None], cfg, list_ids)
 
 
 def query_lists(lists, q_pos, first, cfg):
@@ -117,13 +120,13 @@ def core_lists(c_sub, q_pos, cfg):
     )
 
 
-def select_step(Q, core_ids, q_pos, cfg):
+def select_step(Q, list_ids, q_pos, cfg):
     """select_blocks for one decode step (T = 1) from each row's list of its best candidates by E:
-    Q (Bz, H_kv, 1, nb), core_ids (Bz, H_kv, n) or None, q_pos (Bz, 1) -> the block mask
+    Q (Bz, H_kv, 1, nb), list_ids (Bz, H_kv, n) or None, q_pos (Bz, 1) -> the block mask
     (Bz, H_kv, 1, nb). Kernel: nosa_kernels.select_step."""
     if use_kernels(Q):
-        return nosa_kernels.select_step(Q, core_ids, q_pos, cfg)
-    return select_blocks(Q, None, q_pos[:, None], cfg, core_ids)
+        return nosa_kernels.select_step(Q, list_ids, q_pos, cfg)
+    return select_blocks(Q, None, q_pos[:, None], cfg, list_ids)
 
 
 def select_tiles(q, K_sub, lists, q_pos, nb, cfg, first):
@@ -197,7 +200,7 @@ def nosa_decode(q, k, v, c, layer, cache, cfg):
             # 2. K̃, c̃ and the E-list by the new token
             update_pooled(cache.sub, layer, k, c, pos, cfg)
             # 3. Γ(t), by the same select as the parallel forward
-            ids = cache.sub.core_ids[layer] if cache.sub.core_ids else None
+            ids = cache.sub.list_ids[layer] if cache.sub.list_ids else None
             block_mask = select(q, cache.sub.K_sub[layer], ids, pos[:, None], cache.n_blocks(), cfg)
     # 4. the selected blocks on the device (NOSI: the set difference gathered from the host)
     moves = "transfer" if cache.moves_blocks else "attention"  # the profiler's phases
@@ -227,8 +230,8 @@ def update_pooled(sub, layer, k, c, pos, cfg):
         x[layer] for x in (sub.ring_k, sub.ring_c, sub.K_sub, sub.c_sub)
     )
     pooling.append_subblocks(ring_k, ring_c, K_sub, c_sub, k, c, pos, cfg)
-    if sub.core_ids:
-        eviction.join_leaver(sub.core_ids[layer], sub.core_E[layer], c_sub, pos, cfg)
+    if sub.list_ids:
+        eviction.join_leaver(sub.list_ids[layer], sub.list_E[layer], c_sub, pos, cfg)
 
 
 def pooled_prompt(k, c, cfg):

@@ -301,12 +301,12 @@ def _select_tiles_kernel(
     tl.store(T_BITS + prog * U + pad, tl.zeros([UP], tl.int32), mask=(pad >= n) & (pad < U))
 
 
-def select_step(Q, core_ids, q_pos, cfg):
+def select_step(Q, list_ids, q_pos, cfg):
     """nosa.select_step (same arguments and result)."""
     Bz, H_kv, _, nb = Q.shape
-    n = core_ids.shape[-1] if core_ids is not None else 0
+    n = list_ids.shape[-1] if list_ids is not None else 0
     out = torch.empty(Bz, H_kv, 1, nb, dtype=torch.int8, device=Q.device)
-    ids = core_ids.contiguous() if n else out  # not read when there is no list
+    ids = list_ids.contiguous() if n else out  # not read when there is no list
     _select_step_kernel[(Bz * H_kv,)](
         Q.contiguous(),
         ids,

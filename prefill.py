@@ -120,8 +120,8 @@ class PromptLayer:
     def pooled(self):
         """What the decode cache keeps of the whole prompt (kvcache.SubBlockCache.prefill): K̃ (H_kv, M, d),
         c̃ (H_kv, M) and the list of the last query block (ids, E) (H_kv, n), or None where the mode has none."""
-        core = None if self.carry is None else (self.carry[0][0], self.carry[1][0])
-        return self.K_sub[0], None if self.c_sub is None else self.c_sub[0], core
+        e_list = None if self.carry is None else (self.carry[0][0], self.carry[1][0])
+        return self.K_sub[0], None if self.c_sub is None else self.c_sub[0], e_list
 
 
 class ResidualStream:

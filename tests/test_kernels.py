@@ -342,27 +342,27 @@ def test_append_kernel_matches_twin(attn, dtype):
         ids, E = eviction.core_list(
             grid(Bz, H, 6),
             torch.ones(Bz, H, 6, dtype=torch.bool, device=DEV),
-            caches[0].core_ids[0].shape[-1],
+            caches[0].list_ids[0].shape[-1],
         )
         for s in caches:
-            s.core_ids[0].copy_(ids)
-            s.core_E[0].copy_(E)
+            s.list_ids[0].copy_(ids)
+            s.list_E[0].copy_(E)
     # sub-blocks and blocks complete at different steps per row
     pos = torch.tensor([97, 150, 255], device=DEV)
     n_joins = 0
     for step in range(70):
         k = torch.randn(Bz, H, d, device=DEV, dtype=dtype)
         c = grid(Bz, H) if cfg.eviction_head else None
-        before = caches[0].core_ids[0].clone() if cfg.eviction_head else None
+        before = caches[0].list_ids[0].clone() if cfg.eviction_head else None
         for s, twin in zip(caches, (True, False)):
             with common.kernels(not twin):
                 append = pooling.append_subblocks if twin else pooling_kernels.append_subblocks
                 append(s.ring_k[0], s.ring_c[0], s.K_sub[0], s.c_sub[0], k, c, pos, cfg)
                 if cfg.eviction_head:
                     join = eviction.join_leaver if twin else eviction_kernels.join_leaver
-                    join(s.core_ids[0], s.core_E[0], s.c_sub[0], pos, cfg)
+                    join(s.list_ids[0], s.list_E[0], s.c_sub[0], pos, cfg)
         for name in ("ring_k", "K_sub") + (
-            ("ring_c", "c_sub", "core_ids", "core_E") if cfg.eviction_head else ()
+            ("ring_c", "c_sub", "list_ids", "list_E") if cfg.eviction_head else ()
         ):
             want, got = getattr(caches[0], name)[0], getattr(caches[1], name)[0]
             assert torch.allclose(
@@ -371,7 +371,7 @@ def test_append_kernel_matches_twin(attn, dtype):
                 rtol=1e-2 if dtype == torch.bfloat16 else 1e-6,
                 atol=1e-6,
             ), (step, name)
-        n_joins += int(cfg.eviction_head and not torch.equal(before, caches[0].core_ids[0]))
+        n_joins += int(cfg.eviction_head and not torch.equal(before, caches[0].list_ids[0]))
         pos += 1
     assert not cfg.eviction_head or n_joins >= 3  # the list did change, more than once
 

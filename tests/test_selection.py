@@ -391,7 +391,7 @@ def test_parallel_selection_equals_decode_selection(tied):
         # from c̃, the lists from block 0 on
         lists = nosa.core_lists(sub.c_sub[0], pos[:, None], cfg)
         dec = nosa.select(q_t, sub.K_sub[0], lists, pos[:, None], nb, cfg)[:, :, 0]
-        dec_list = nosa.select(q_t, sub.K_sub[0], sub.core_ids[0], pos[:, None], nb, cfg)[:, :, 0]
+        dec_list = nosa.select(q_t, sub.K_sub[0], sub.list_ids[0], pos[:, None], nb, cfg)[:, :, 0]
         for i in range(Bz):
             p = int(pos[i])
             nbi = cfg.n_blocks(p + 1)
