@@ -133,8 +133,8 @@ class Attention(nn.Module):
             o = nosa.nosa_decode(q, k, v, c, self.layer, cache, self.cfg)
         elif prompt is not None:
             start = prompt.len
-            k, v, c, pooled = prompt.write(k, v, c)  # the prompt's keys so far
-            o, _ = nosa.nosa_attention(q, k, v, c, self.cfg, start, pooled)
+            k, v, c, selects_from = prompt.write(k, v, c)  # the prompt's keys so far
+            o, _ = nosa.nosa_attention(q, k, v, c, self.cfg, start, selects_from)
         else:
             o, _ = nosa.nosa_attention(q, k, v, c, self.cfg)
         return self.o_proj(o.transpose(1, 2).reshape(Bz, T, -1))  # (Bz, H_q, T, d) -> (Bz, T, dim)

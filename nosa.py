@@ -145,13 +145,13 @@ def select_tiles(q, K_sub, lists, q_pos, nb, cfg, first):
     return attention_kernels.Tiles(idx, bits, n, BT, T)
 
 
-def nosa_attention(q, k, v, c, cfg, start=0, pooled=None):
+def nosa_attention(q, k, v, c, cfg, start=0, selects_from=None):
     """One attention layer for the queries at positions start .. start+T-1 over the keys 0 .. S-1,
     S = start + T: the training forward (start = 0, the whole sequence) and one chunk of a prefill
     (prefill.py), which selects and attends exactly as the whole forward would.
 
     q: (Bz, H_q, T, d), k, v: (Bz, H_kv, S, d) with RoPE applied, c: (Bz, H_kv, S) eviction scores
-    (None in `full` and `infllmv2` modes). pooled: (K̃, lists) where the caller keeps them (a
+    (None in `full` and `infllmv2` modes). selects_from: (K̃, lists) where the caller keeps them (a
     prefill's chunks: prefill.PromptLayer), the compressed keys and the block_lists of the query
     blocks from start // B on (None without E-picks), else made here. Returns the output
     (Bz, H_q, T, d) and Γ(t): a block mask (Bz, H_kv, T, nb), or Tiles on the kernel path (None
@@ -164,13 +164,13 @@ def nosa_attention(q, k, v, c, cfg, start=0, pooled=None):
     kernels = use_kernels(q, cfg)
     with torch.no_grad():
         first, nb = start // cfg.B, cfg.n_blocks(S)
-        if pooled is None:  # K̃, and each query block's list of its best candidates by E
+        if selects_from is None:  # K̃, and each query block's list of its best candidates by E
             lists = None
             if c is not None and cfg.n_core > 0:
                 c_sub = pooling.pool_mean(c, cfg)
                 lists = eviction.block_lists(c_sub, first, (S - 1) // cfg.B, cfg)[0]
-            pooled = pooling.compress_keys(k, cfg), lists
-        K_sub, lists = pooled
+            selects_from = pooling.compress_keys(k, cfg), lists
+        K_sub, lists = selects_from
         if kernels:
             sel = select_tiles(q, K_sub, lists, q_pos, nb, cfg, first)
         else:

@@ -90,7 +90,7 @@ class PromptLayer:
     def write(self, k, v, c):
         """A chunk's k, v (1, H_kv, C, d) and c (1, H_kv, C) or None at positions len .. e-1 ->
         the keys so far: k, v, c of positions 0 .. e-1 (views), and what nosa.nosa_attention selects
-        from (its `pooled`): K̃ and the lists of the chunk's query blocks (None without E-picks)."""
+        from (its `selects_from`): K̃ and the lists of the chunk's query blocks (None without E-picks)."""
         cfg, start = self.cfg, self.len
         e = self.len = start + k.shape[2]
         self.k[:, :, start:e], self.v[:, :, start:e] = k, v
