@@ -37,16 +37,16 @@ class Cache:
       n_blocks()                  how many blocks selection ranges over
       blocks(layer, block_mask)   the selected blocks Γ(t) on the device, to attend over (Blocks)
       flush(layer)                after the attention: a tail block the token filled goes to its place
-    and prefill(layer, seq, k, v, c, pooled) for a prompt (prefill.py), advance() after a step,
+    and prefill(layer, seq, k, v, c, pooled, put) for a prompt (prefill.py), advance() after a step,
     finish(done) for sequences that ended. Every cache keeps the lengths: tokens per sequence on the
     device (read by the decode step) and on the host (read by the Python that sizes and launches it,
-    without a device sync; never below the device's). A row that is not active does not advance.
+    without a device sync; never below the device's). A row that is not active does not advance
+    (serve.Parked holds one back while a new prompt prefills into it).
     capacity(): the positions below which a step keeps its shapes (fast.GraphedDecode).
 
-    Continuous batching (serve.py) parks a row while a new prompt prefills into it beside the
-    decoding batch: park(seq), the prefill, start(seq). A parked row waits at position 0, so a step
-    costs it one key; what a step writes for it (its entries at position 0, the rings, the lists,
-    the tail and the tables: the row's decode state) its prefill writes at start (put)."""
+    A prefill writes a row's decode state (what a step writes for it too: its entries at position
+    0, the rings, the E-list, the tail and the tables, the length) through `put(t, index, value)`:
+    at once by default (write_now), later where serving holds the row back (serve.Parked)."""
 
     moves_blocks = False  # whether blocks() and flush() move blocks (offload.OffloadCache)
 
@@ -56,15 +56,14 @@ class Cache:
         self.len_cpu = torch.zeros(Bz, dtype=torch.long)
         self.active = torch.ones(Bz, dtype=torch.bool, device=device)  # rows that advance
         self.active_cpu = torch.ones(Bz, dtype=torch.bool)
-        self.parked = {}  # row -> the writes of its decode state that wait for start(row)
         self.sub = None  # the pooled state (SubBlockCache) of a sparse mode
 
     def capacity(self):
         raise NotImplementedError
 
-    def set_length(self, seq, T):  # after a prefill of T tokens into row seq
-        self.put(seq, self.len, seq, T)
-        self.put(seq, self.len_cpu, seq, T)
+    def set_length(self, seq, T, put):  # after a prefill of T tokens into row seq
+        put(self.len, seq, T)
+        put(self.len_cpu, seq, T)
 
     def advance(self):
         self.len += self.active
@@ -78,28 +77,6 @@ class Cache:
         spending on them."""
         self.active.copy_(~done)
 
-    def park(self, seq):
-        """Row seq stops decoding, at position 0, for a new prompt (or none)."""
-        self.len[seq] = self.len_cpu[seq] = 0
-        self.active[seq] = self.active_cpu[seq] = False
-        self.parked[seq] = []
-
-    def put(self, seq, t, index, value):
-        """t[index] = value, a write of row seq's decode state: now, or at start(seq) if it is parked."""
-        if seq in self.parked:
-            self.parked[seq].append((t, index, value.clone() if torch.is_tensor(value) else value))
-        else:
-            t[index] = value
-
-    def start(self, seq):
-        """Row seq decodes from its prefill on: the writes that waited, on the current stream (after
-        the prefill's, where it ran on another)."""
-        for t, index, value in self.parked.pop(seq):
-            if torch.is_tensor(value) and value.is_cuda:  # memory not reused before the copy ran
-                value.record_stream(torch.cuda.current_stream(value.device))
-            t[index] = value
-        self.active[seq] = self.active_cpu[seq] = True
-
     def graphable(self, pos):
         """Whether decode steps from largest position pos on launch the same kernels on the same
         shapes, so one recorded step can be replayed (fast.GraphedDecode): the buffers hold the
@@ -107,6 +84,11 @@ class Cache:
         empty). A replay runs none of the step's Python: the caller advances the host's lengths
         (advance_host)."""
         return self.cfg.l_c <= pos + 1 and pos < self.capacity()
+
+
+def write_now(t, index, value):
+    """t[index] = value: how a prefill writes a row's decode state unless serving defers it."""
+    t[index] = value
 
 
 def grow(t, n, dim):
@@ -160,7 +142,7 @@ class SubBlockCache:
     def prefill(self, layer, seq, k, c, pooled, put):
         """k (H_kv, T, d), c (H_kv, T) or None: one whole sequence, and pooled its (K̃, c̃, E-list
         (ids, scores)) (prefill.PromptLayer.pooled, or nosa.pooled_prompt). put: how the rings and
-        the list are written (Cache.put)."""
+        the list are written (Cache)."""
         cfg, T = self.cfg, k.shape[1]
         K_sub, c_sub, e_list = pooled  # (H_kv, M, d), (H_kv, M), (H_kv, n) twice
         M = K_sub.shape[1]
@@ -168,13 +150,13 @@ class SubBlockCache:
         self.K_sub[layer][seq, :, :M] = K_sub
         tail = torch.arange(max(T - cfg.l_c, 0), T, device=k.device)
         ring = (seq, slice(None), tail % cfg.l_c)
-        put(seq, self.ring_k[layer], ring, k[:, tail])
+        put(self.ring_k[layer], ring, k[:, tail])
         if c is not None:
             self.c_sub[layer][seq, :, :M] = c_sub
-            put(seq, self.ring_c[layer], ring, c[:, tail])
+            put(self.ring_c[layer], ring, c[:, tail])
         if self.list_ids:  # as of the last prompt token: the next step adds what leaves the window
-            put(seq, self.list_ids[layer], seq, e_list[0])
-            put(seq, self.list_E[layer], seq, e_list[1])
+            put(self.list_ids[layer], seq, e_list[0])
+            put(self.list_E[layer], seq, e_list[1])
 
 
 class KVCache(Cache):
@@ -197,19 +179,19 @@ class KVCache(Cache):
         ]
         self.sub = SubBlockCache(cfg, Bz, device, dtype, S) if cfg.sparse else None
 
-    def prefill(self, layer, seq, k, v, c, pooled=None):
+    def prefill(self, layer, seq, k, v, c, pooled=None, put=write_now):
         T = k.shape[1]
         self._grow(layer, T)
         self.k[layer][seq, :, 1:T], self.v[layer][seq, :, 1:T] = k[:, 1:], v[:, 1:]
-        self.put(seq, self.k[layer], (seq, slice(None), 0), k[:, 0])  # where a parked row writes
-        self.put(seq, self.v[layer], (seq, slice(None), 0), v[:, 0])
+        put(self.k[layer], (seq, slice(None), 0), k[:, 0])  # where a held-back row's steps write
+        put(self.v[layer], (seq, slice(None), 0), v[:, 0])
         if c is not None:
             self.c[layer][seq, :, 1:T] = c[:, 1:]
-            self.put(seq, self.c[layer], (seq, slice(None), 0), c[:, 0])
+            put(self.c[layer], (seq, slice(None), 0), c[:, 0])
         if self.sub:
-            self.sub.prefill(layer, seq, k, c, pooled, self.put)
+            self.sub.prefill(layer, seq, k, c, pooled, put)
         if layer == self.cfg.n_layer - 1:
-            self.set_length(seq, T)
+            self.set_length(seq, T, put)
 
     def capacity(self):
         """Positions below which a decode step keeps its shapes (fast.GraphedDecode); 0: they change every step."""

@@ -37,7 +37,7 @@ import torch
 import memory
 import offload_kernels
 from common import use_kernels
-from kvcache import Blocks, Cache, SubBlockCache, grow
+from kvcache import Blocks, Cache, SubBlockCache, grow, write_now
 
 
 def needed_blocks(sel, pos, active, H_kv, B, k):
@@ -311,10 +311,11 @@ class OffloadCache(Cache):
         table[:, :cap] = self.block_slot[layer]
         self.block_slot[layer] = table
 
-    def prefill(self, layer, seq, k, v, c, pooled=None):
-        """One sequence's prompt: k, v (H_kv, T, d), c (H_kv, T), and where the caller has them its pooled
-        caches (SubBlockCache.prefill). Whole blocks go to the host store, the rest to the tail; nothing
-        is resident yet, so the first step gathers its selection."""
+    def prefill(self, layer, seq, k, v, c, pooled=None, put=write_now):
+        """One sequence's prompt: k, v (H_kv, T, d), c (H_kv, T), and where the caller has them its
+        pooled caches (SubBlockCache.prefill); put: how the row's decode state is written (Cache).
+        Whole blocks go to the host store, the rest to the tail; nothing is resident yet, so the
+        first step gathers its selection."""
         cfg, T = self.cfg, k.shape[1]
         n_full, r = T // cfg.B, slice(seq * cfg.H_kv, (seq + 1) * cfg.H_kv)  # its rows
         self._ensure_blocks(layer, n_full + 1)
@@ -333,18 +334,18 @@ class OffloadCache(Cache):
         if self.pin and layer == cfg.n_layer - 1:
             torch.cuda.current_stream(self.device).wait_stream(self.writes)
         tail = torch.stack([k[:, n_full * cfg.B :], v[:, n_full * cfg.B :]], 1)
-        self.put(seq, self.tail[layer], (r, slice(None), slice(0, T - n_full * cfg.B)), tail)
-        self.put(seq, self.slot_block[layer], r, -1)
-        self.put(seq, self.block_slot[layer], r, -1)
-        self.put(seq, self.fresh[layer], r, True)
+        put(self.tail[layer], (r, slice(None), slice(0, T - n_full * cfg.B)), tail)
+        put(self.slot_block[layer], r, -1)
+        put(self.block_slot[layer], r, -1)
+        put(self.fresh[layer], r, True)
         if c is not None:
             self.c[layer] = grow(self.c[layer], T, 2)
             self.c[layer][seq, :, 1:T] = c[:, 1:]
-            # position 0, where a parked row writes, at start
-            self.put(seq, self.c[layer], (seq, slice(None), 0), c[:, 0])
-        self.sub.prefill(layer, seq, k, c, pooled, self.put)
+            # position 0, where a held-back row's steps write
+            put(self.c[layer], (seq, slice(None), 0), c[:, 0])
+        self.sub.prefill(layer, seq, k, c, pooled, put)
         if layer == cfg.n_layer - 1:
-            self.set_length(seq, T)
+            self.set_length(seq, T, put)
 
     def reset_stats(self):  # count from here on (generate.py: after its warm-up)
         self.stats = Stats(

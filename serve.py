@@ -15,12 +15,12 @@ max_len tokens and one prefill's activations beside them, so a request is admitt
 free, no other prompt is prefilling, and its prompt and new tokens fit a row.
 
 Each turn of the loop:
-  1. admit: a free row parks (Cache.park: it waits at position 0) and the next arrived prompt
+  1. admit: a free row is held back (Parked: it waits at position 0) and the next arrived prompt
      starts there (with nothing running and nothing arrived, wait for the next arrival)
   2. one decode step of every row (`decode`); the parked rows' outputs are ignored
   3. launch the prefill's next chunks (layer_chunks); the next decode step waits for them
   4. the step's tokens to the host: a row whose sequence ends is parked, its request done
-  5. a prefill that has run to its end: its row starts (Cache.start) with the prompt's next token
+  5. a prefill that has run to its end: its row starts (Parked.start) with the prompt's next token
 """
 
 import json
@@ -55,19 +55,47 @@ class Request:
         return [b - a for a, b in zip(self.t_tokens, self.t_tokens[1:])]
 
 
+class Parked:
+    """Row `row` of a decode cache held back from decoding: it waits at position 0 and does not
+    advance, so a step of the batch costs it one key, while a new prompt may prefill into it. What
+    that prefill writes of the row's decode state (kvcache.Cache: the entries at position 0, the
+    rings, the E-list, the tail and the tables, the length), which the batch's steps write for the
+    row meanwhile, waits here for start()."""
+
+    def __init__(self, cache, row):
+        self.cache, self.row, self.writes = cache, row, []
+        cache.len[row] = cache.len_cpu[row] = 0
+        cache.active[row] = cache.active_cpu[row] = False
+
+    def prefill(self, layer, seq, k, v, c, pooled=None):  # what prefill.prefill_chunks calls
+        self.cache.prefill(layer, seq, k, v, c, pooled, put=self.put)
+
+    def put(self, t, index, value):  # a prompt's buffers are reused by the next layer: a copy
+        self.writes.append((t, index, value.clone() if torch.is_tensor(value) else value))
+
+    def start(self):
+        """The row decodes from its prefill on: the writes that waited, on the current stream
+        (after the prefill's, where it ran on another)."""
+        for t, index, value in self.writes:
+            if torch.is_tensor(value) and value.is_cuda:  # memory not reused before the copy ran
+                value.record_stream(torch.cuda.current_stream(value.device))
+            t[index] = value
+        self.cache.active[self.row] = self.cache.active_cpu[self.row] = True
+
+
 class Prefill:
-    """A prompt prefilling into a parked row a chunk at a time (prefill.prefill_chunks), on `stream`
-    (None: the current one). `chunk`: its tokens (the whole prompt if None)."""
+    """A prompt prefilling into a held-back row a chunk at a time (prefill.prefill_chunks), on
+    `stream` (None: the current one). `chunk`: its tokens (the whole prompt if None)."""
 
     def __init__(self, model, req, row, cache, stream, chunk, on_host):
         self.req, self.row, self.stream, self.logits, self.ran = req, row, stream, None, None
         self.chunk = min(chunk or len(req.ids), len(req.ids))
-        cache.park(row)
+        self.parked = Parked(cache, row)
         if stream is not None:  # after the park, and the steps before it
             stream.wait_stream(torch.cuda.current_stream(stream.device))
         with torch.cuda.stream(stream):
             idx = torch.tensor([req.ids], device=cache.len.device)
-        self.chunks = prefill_chunks(model, idx, cache, row, chunk, stream_on_host=on_host)
+        self.chunks = prefill_chunks(model, idx, self.parked, row, chunk, stream_on_host=on_host)
 
     def launch(self, n):
         """Launch the next n chunks (of a layer each), or the rest; returns an event on the stream
@@ -191,7 +219,7 @@ def serve(model, requests, cache, pick, eos_ids=(), chunk=None, on_host=False, d
     with torch.cuda.stream(decode_stream):
         tok = torch.zeros(Bz, dtype=torch.long, device=dev)  # each row's last token
         for row in range(Bz):
-            cache.park(row)
+            Parked(cache, row)
         decode = decode or (lambda tok: model.decode(tok, cache))
         t0 = time.perf_counter()
         launched = 0  # chunks launched beside the last step (a step on a GPU waits for them)
@@ -199,7 +227,7 @@ def serve(model, requests, cache, pick, eos_ids=(), chunk=None, on_host=False, d
         def end(row, req):  # the row's sequence has its last token
             req.t_end = req.t_tokens[-1] - req.arrival
             del running[row]
-            cache.park(row)
+            Parked(cache, row)
             if on_done:
                 on_done(req)
 
@@ -233,7 +261,7 @@ def serve(model, requests, cache, pick, eos_ids=(), chunk=None, on_host=False, d
             launched = n
             if pre and pre.done():  # 5. a row starts
                 budget.ended()
-                cache.start(pre.row)
+                pre.parked.start()
                 if cuda:
                     pre.logits.record_stream(decode_stream)
                 first = pick(pre.logits[None])

@@ -280,14 +280,12 @@ def bench_served(
                 gpu_peak_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
             )
         fill_random(cache, cfg, Bz, prompt_len, dev, dtype)
-        for seq in list(cache.parked):  # rows that serve left parked now decode what was filled
-            cache.start(seq)
+        cache.active[:], cache.active_cpu[:] = True, True  # serve left the rows parked
         decode = GraphedDecode(model, cache, micro)
         row.update(beside_prefill(model, cache, decode, prompt(), chunk, on_host, steps, sync))
-        cache.start(0)  # the prompt beside_prefill prefilled there
         last = requests % Bz if requests > Bz else 0  # the static schedule's smaller last batch
         for seq in range(last, Bz if last else 0):
-            cache.park(seq)
+            serve.Parked(cache, seq)
         t_last = last and timed_steps(decode, Bz, cfg, steps, dev, sync)
         for G in new_tokens:  # static batches composed from this run's prefill and steps
             times = row["prefill_alone_s"], row["step_alone_ms"] / 1e3, t_last or None
@@ -301,10 +299,11 @@ def bench_served(
 
 def beside_prefill(model, cache, decode, ids, chunk, on_host, steps, sync):
     """Decode steps of the batch (row 0 parked for a new prompt) alone, and a prompt's prefill into
-    row 0 on serve.py's streams alone, then both side by side: each one's time there against alone."""
+    row 0 on serve.py's streams alone, then both side by side: each one's time there against alone.
+    Row 0 decodes the prompt afterwards."""
     cuda, Bz, dev = cache.len.is_cuda, len(cache.len), cache.len.device
     with torch.cuda.stream(torch.cuda.Stream(priority=-1) if cuda else None):
-        cache.park(0)
+        serve.Parked(cache, 0)
         t_step = timed_steps(decode, Bz, model.cfg, steps, dev, sync)
         tok, times = torch.zeros(Bz, dtype=torch.long, device=dev), []
         for beside in (False, True):
@@ -321,6 +320,7 @@ def beside_prefill(model, cache, decode, ids, chunk, on_host, steps, sync):
                     tok.tolist()  # the step's tokens to the host, as serve's
                     n += 1
             times.append(time.perf_counter() - t0)
+    pre.parked.start()  # row 0 decodes the prompt from here on
     return dict(
         step_alone_ms=round(t_step * 1e3, 2),
         step_beside_prefill_ms=round(times[1] / n * 1e3, 2),

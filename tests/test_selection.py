@@ -11,7 +11,7 @@ import nosa
 import nosa_kernels
 from attention_kernels import Tiles
 from config import Config
-from kvcache import SubBlockCache
+from kvcache import SubBlockCache, write_now
 
 paper = Config.from_preset("paper")
 
@@ -377,10 +377,9 @@ def test_parallel_selection_equals_decode_selection(tied):
     assert not par[:, :, -1].all(), "test too short: sparsity never kicks in"
     sub = SubBlockCache(cfg, Bz, "cpu", torch.float64)
     starts = [5, 40]
-    at_once = lambda seq, t, index, value: t.__setitem__(index, value)
     for i, s in enumerate(starts):
         pooled = nosa.pooled_prompt(k[i, :, :s], c[i, :, :s], cfg)
-        sub.prefill(0, i, k[i, :, :s], c[i, :, :s], pooled, at_once)
+        sub.prefill(0, i, k[i, :, :s], c[i, :, :s], pooled, write_now)
     for step in range(T - max(starts)):
         pos = torch.tensor([s + step for s in starts])
         rows = torch.arange(Bz)

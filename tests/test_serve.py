@@ -92,10 +92,10 @@ def test_a_reused_row_holds_nothing_of_the_old_request(embedded, Cache):
     with torch.no_grad():
         for _ in range(20):
             tok = model.decode(tok, cache).argmax(-1)
-        cache.park(0)
-        for _ in prefill_chunks(model, torch.tensor([new]), cache, 0, chunk=32):
+        parked = serve.Parked(cache, 0)
+        for _ in prefill_chunks(model, torch.tensor([new]), parked, 0, chunk=32):
             tok = model.decode(tok, cache).argmax(-1)  # the batch decodes (row 0 parked)
-        cache.start(0)
+        parked.start()
         fresh = Cache(model.cfg, 1, "cpu", torch.float32, 600)
         prefill(model, torch.tensor([new]), fresh, 0, chunk=32)
         for a, b in zip(row_state(cache, 0, len(new)), row_state(fresh, 0, len(new)), strict=True):
