@@ -33,8 +33,8 @@ class Blocks(NamedTuple):
 class Cache:
     """The contract of a decode cache, a store. Per layer, what nosa.nosa_decode calls, in this order:
       write(layer, k, v, c)       the new token of every sequence at its position `len`, and room
-                                  for it in the pooled state `sub` (which nosa_decode updates)
-      n_blocks()                  how many blocks selection ranges over
+                                  for it in the pooled state `sub` (which nosa_decode updates);
+                                  returns nb, how many blocks selection ranges over
       blocks(layer, block_mask)   the selected blocks Γ(t) on the device, to attend over (Blocks)
       flush(layer)                after the attention: a tail block the token filled goes to its place
     and prefill(layer, seq, k, v, c, pooled, put) for a prompt (prefill.py), advance() after a step,
@@ -201,11 +201,9 @@ class KVCache(Cache):
     def S(self):
         return max(self.capacity(), int(self.len_cpu.max()) + 1)
 
-    def n_blocks(self):  # the blocks selection ranges over
-        return self.cfg.n_blocks(self.S())
-
     def write(self, layer, k, v, c):
-        """k, v (Bz, H_kv, d), c (Bz, H_kv) or None: the new token of every sequence, at its position."""
+        """k, v (Bz, H_kv, d), c (Bz, H_kv) or None: the new token of every sequence, at its
+        position -> the blocks selection ranges over: those of the tokens attention spans (S)."""
         pos, rows = self.len, torch.arange(k.shape[0], device=k.device)
         max_pos = int(self.len_cpu.max())
         self._grow(layer, max_pos + 1)
@@ -214,6 +212,7 @@ class KVCache(Cache):
             self.c[layer][rows, :, pos] = c
         if self.sub:
             self.sub.reserve(layer, max_pos + 1)
+        return self.cfg.n_blocks(self.S())
 
     def blocks(self, layer, block_mask):
         """Everything is resident: the cached tokens, which attention masks by Γ(t)."""

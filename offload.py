@@ -381,11 +381,9 @@ class OffloadCache(Cache):
     def capacity(self):  # positions below which a decode step keeps its shapes (fast.GraphedDecode)
         return self.max_len
 
-    def n_blocks(self):  # selection ranges over every block the store holds: static shapes
-        return self.host[0].shape[1]
-
     def write(self, layer, k, v, c):
-        """k, v (Bz, H_kv, d), c (Bz, H_kv) or None: the new token of every sequence, into its tail."""
+        """k, v (Bz, H_kv, d), c (Bz, H_kv) or None: the new token of every sequence, into its tail
+        -> the blocks selection ranges over: every block the store holds room for (static shapes)."""
         cfg, pos = self.cfg, self.len
         max_pos = int(self.len_cpu.max())
         if self.part and max_pos >= self.max_len:
@@ -398,6 +396,7 @@ class OffloadCache(Cache):
             self.c[layer] = grow(self.c[layer], max_pos + 1, 2)
         write_tail(self.pool[layer], self.c[layer], k, v, c, pos, cfg.B)
         self.sub.reserve(layer, max_pos + 1)
+        return self.host[layer].shape[1]
 
     def blocks(self, layer, block_mask):
         """block_mask (Bz, H_kv, 1, nb) = Γ(t) -> the slot pool holding the selected blocks: the
