@@ -151,6 +151,8 @@ def bench_arrivals(
             dict(
                 system=label,
                 capacity_rate=max(within) if within else 0.0,
+                tbt_target_s=tbt_target,
+                ttft_target_s=ttft_target,
                 targets=f"p99 time between tokens <= {tbt_target} s, median time to first token "
                 f"<= {ttft_target} s",
             )

@@ -85,6 +85,36 @@ def plot_requests(plt):
     return fig
 
 
+def plot_arrivals(plt, name="arrivals_8b_128k.json"):
+    """Requests arriving over time (python -m bench requests --served --rate ...): time to first
+    token (median) and time between tokens (p99) against the request rate, per system, with the
+    targets that define its capacity."""
+    runs = load(name)
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    served = [r for r in runs["runs"] if r["rate"]]
+    for j, system in enumerate(dict.fromkeys(r["system"] for r in served)):
+        rs = sorted((r for r in served if r["system"] == system), key=lambda r: r["rate"])
+        for ax, key in zip(axes, ("ttft_median_s", "tbt_p99_s")):
+            x, y = [r["rate"] for r in rs], [r[key] for r in rs]
+            ax.plot(x, y, "o-", color=f"C{j}", label=f"{system} (batch {rs[0]['batch']})")
+    target = runs["capacity"][0] if runs["capacity"] else {}
+    for ax, what, key in (
+        (axes[0], "time to first token, median", "ttft_target_s"),
+        (axes[1], "time between tokens, p99", "tbt_target_s"),
+    ):
+        if key in target:
+            ax.axhline(target[key], color="grey", linestyle=":", label=f"target {target[key]:g} s")
+        ax.set(xscale="log", yscale="log", xlabel="requests a second (Poisson)", ylabel="s")
+        rates = sorted({r["rate"] for r in served})
+        ax.set_xticks(rates, [f"{r:g}" for r in rates])
+        ax.xaxis.set_minor_formatter(plt.NullFormatter())
+        ax.set_title(what)
+        ax.legend(fontsize=8)
+    fig.suptitle("Requests arriving over time at a 24 GiB GPU budget (H200, random weights)")
+    fig.tight_layout()
+    return fig
+
+
 def plot_decode(plt):
     """Decode tokens/s at 128K and 24 GiB, each system at its largest batch."""
     rows = load("throughput_128k.json")
@@ -197,7 +227,12 @@ def main():
         ("requests", plot_requests),
         ("decode", plot_decode),
         ("recall", plot_recall),
+        ("arrivals", plot_arrivals),
     ):
+        if name == "arrivals" and not os.path.exists(
+            os.path.join(RESULTS, "arrivals_8b_128k.json")
+        ):
+            continue  # not run yet (python -m bench requests --served --rate ... --json it)
         path = os.path.join(FIGURES, f"{name}.png")
         fn(plt).savefig(path, dpi=110)
         rows.append(dict(figure=os.path.relpath(path, ROOT)))
