@@ -30,6 +30,11 @@ class Blocks(NamedTuple):
     slots: torch.Tensor = None
 
 
+def write_now(t, index, value):
+    """t[index] = value: how a prefill writes a row's decode state unless serving defers it."""
+    t[index] = value
+
+
 class Cache:
     """The contract of a decode cache, a store. Per layer, what nosa.nosa_decode calls, in this order:
       write(layer, k, v, c)       the new token of every sequence at its position `len`, and room
@@ -58,6 +63,19 @@ class Cache:
         self.active_cpu = torch.ones(Bz, dtype=torch.bool)
         self.sub = None  # the pooled state (SubBlockCache) of a sparse mode
 
+    # what each cache defines (KVCache below, offload.OffloadCache), as the docstring says
+    def write(self, layer, k, v, c):  # -> nb
+        raise NotImplementedError
+
+    def blocks(self, layer, block_mask):  # -> Blocks
+        raise NotImplementedError
+
+    def flush(self, layer):
+        raise NotImplementedError
+
+    def prefill(self, layer, seq, k, v, c, pooled=None, put=write_now):
+        raise NotImplementedError
+
     def capacity(self):
         raise NotImplementedError
 
@@ -84,11 +102,6 @@ class Cache:
         empty). A replay runs none of the step's Python: the caller advances the host's lengths
         (advance_host)."""
         return self.cfg.l_c <= pos + 1 and pos < self.capacity()
-
-
-def write_now(t, index, value):
-    """t[index] = value: how a prefill writes a row's decode state unless serving defers it."""
-    t[index] = value
 
 
 def grow(t, n, dim):
