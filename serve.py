@@ -114,27 +114,33 @@ class Prefill:
 class Budget:
     """How many of the prefill's chunks (of a layer each) a decode step waits for, and how long a
     chunk is. Either a fixed budget of prompt tokens per step through every layer (tokens * n_layer
-    / chunk chunks, at least one), or, by default, the most that keep a step beside the prefill
-    within `stall` times a step alone, measured as serving goes: the time of a turn of the loop (it
-    syncs once), one chunk more a turn while within, a quarter fewer when not. A step alone is
-    timed first and every RETIME turns after (no chunk beside it), so that prompts arriving one
-    after another cannot hold the budget at its start. Where even one chunk stalls a step more than that for most of a prompt,
-    the next prompt's chunk is half as long (the planned chunk, halved, not below `least` tokens);
-    where a step takes four, twice as long again. With no row decoding, nothing waits: a chunk
-    through the whole model per turn."""
+    / chunk chunks, at least one), or, by default, the most that keep every step beside the prefill
+    within `stall` times a step alone, from a model measured as serving goes: a turn of the loop
+    (it syncs once) takes the step alone plus what its chunks add, so each turn updates the time a
+    chunk adds (`per`, averaged) and the next turn takes floor((stall - 1) * alone / per) chunks,
+    at least one and at most twice as many as the turn before. A step alone is timed first and
+    every RETIME turns after (no chunk beside it), so that prompts arriving one after another
+    cannot hold the budget at its start. Where even one chunk stalls a step beyond the stall for
+    most of a prompt, the next prompt's chunk is half as long (the planned chunk, halved, not below
+    `least` tokens); where four fit, twice as long again. With no row decoding, nothing waits: a
+    chunk through the whole model per turn."""
 
     def __init__(self, n_layer, tokens=None, stall=2.0, least=512):
         self.n_layer, self.tokens, self.stall, self.least = n_layer, tokens, stall, least
-        self.n, self.alone, self.beside, self.waited = 1, None, [], []
+        self.n, self.alone, self.per, self.beside, self.waited = 1, None, None, [], []
         self.halved, self.c, self.over, self.prompt_tokens = 0, None, [], []
         self.since_alone = 0  # turns since a step ran alone
 
     RETIME = 200  # a step alone at least every RETIME turns: its time grows with the context
 
-    def chunk(self, planned):
-        """The next prompt's chunk in tokens: `planned` (memory.plan_memory's), halved so often."""
-        self.c = max(min(self.least, planned), planned >> self.halved)
-        return self.c
+    def chunk(self, planned, T=None):
+        """The next prompt's chunk in tokens: `planned` (memory.plan_memory's), halved so often,
+        and no longer than the prompt's T tokens."""
+        c = min(max(min(self.least, planned), planned >> self.halved), T or planned)
+        if self.per is not None and self.c:  # a chunk's time scales with its tokens
+            self.per *= c / self.c
+        self.c = c
+        return c
 
     def chunks(self, pre, running):
         if not running:
@@ -156,17 +162,19 @@ class Budget:
         self.waited.append(n)
         self.prompt_tokens.append(n * (self.c or 0) / self.n_layer)
         if self.tokens is None and self.alone is not None:
-            over = dt > self.stall * self.alone
-            self.n = max(1, self.n - -(-self.n // 4)) if over else self.n + 1
+            per = max(dt - self.alone, 0.0) / n  # what one chunk added to the step
+            self.per = per if self.per is None else 0.8 * self.per + 0.2 * per
+            room = (self.stall - 1) * self.alone
+            fit = int(room / self.per) if self.per > 0 else 2 * self.n
+            self.n = max(1, min(fit, 2 * self.n))
             if n == 1:
-                self.over.append(over)
+                self.over.append(dt > self.stall * self.alone)
 
     def ended(self):
         """A prompt has prefilled: the next one's chunk halves where one chunk stalled most of its
-        steps, and doubles where the steps took four."""
+        steps, and doubles where four chunks fit a step."""
         if self.tokens is None and self.over and 2 * sum(self.over) > len(self.over):
             self.halved += 1
-            self.n = 1
         elif self.tokens is None and self.halved and self.n >= 4:
             self.halved -= 1
             self.n //= 2
@@ -239,7 +247,7 @@ def serve(model, requests, cache, pick, eos_ids=(), chunk=None, on_host=False, d
             if pre is None and waiting and waiting[0].arrival <= now and len(running) < Bz:
                 row = min(set(range(Bz)) - set(running))  # 1. admit
                 req = waiting.popleft()
-                c = budget.chunk(chunk or len(req.ids))
+                c = budget.chunk(chunk or len(req.ids), len(req.ids))
                 pre = Prefill(model, req, row, cache, prefill_stream, c, on_host)
             if running:  # 2. a decode step
                 t_turn = time.perf_counter()
