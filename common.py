@@ -1,12 +1,15 @@
 """
 What several files share: the numerics rule for scores, the one rule that picks a kernel or its
-torch twin, what the kernels have in common, and the scripts' set-up (device, one-line errors).
+torch twin, what the kernels have in common, and the scripts' set-up (device, processes under
+torchrun, one-line errors).
 """
 
 import contextlib
+import os
 import sys
 
 import torch
+import torch.distributed as dist
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -98,6 +101,22 @@ def pick_device(name=None):
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"--device {name!r}: give cpu, cuda or cuda:N")
     return dev
+
+
+def start_processes(name=None):
+    """(rank, world, device): under torchrun the process group started (NCCL on GPUs, gloo on CPUs
+    or where --device cpu asks) and this process's GPU; alone (0, 1, pick_device(name))."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, pick_device(name)
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available() and pick_device(name).type == "cuda"
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+    return rank, world, device
 
 
 ANTICIPATED = (ValueError, OSError, MemoryError)  # bad input: the message says what to do

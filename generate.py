@@ -182,8 +182,8 @@ def main(**flags):
     The memory budgets (memory.plan_memory) are checked before anything is allocated."""
     o = Options(**flags)
     o.check()
-    rank, world, device = tp.init()  # under torchrun: tensor parallelism over the KV heads
-    device = device or common.pick_device(o.device)
+    # under torchrun: tensor parallelism over the KV heads (tp.py)
+    rank, world, device = common.start_processes(o.device)
     if rank:  # one process prints
         sys.stdout = open(os.devnull, "w")
     requests = []  # the file read and checked before the model is loaded

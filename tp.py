@@ -9,12 +9,11 @@ Megatron-LM and gpt-fast. The eviction head reads every KV head's values (c = A 
 concat_h v)): each rank multiplies its heads' part of W_δ and one all-reduce of H_kv numbers a token
 sums them.
 
-Run with torchrun (`torchrun --nproc_per_node=2 generate.py --offload ...`): init() starts the
-process group (NCCL on GPUs, gloo on CPUs), and shard(model) cuts the model of every process the
-same way; each rank then samples the same tokens from the same logits.
+Run with torchrun (`torchrun --nproc_per_node=2 generate.py --offload ...`):
+common.start_processes starts the process group (NCCL on GPUs, gloo on CPUs), and shard(model)
+cuts the model of every process the same way; each rank then samples the same tokens from the same logits.
 """
 
-import os
 from dataclasses import replace
 
 import torch
@@ -23,21 +22,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from common import fp32
-
-
-def init():
-    """(rank, world, device) under torchrun, after starting the process group; (0, 1, None) alone."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return 0, 1, None
-    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", local) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
-    return rank, world, device
 
 
 def check(cfg, world):

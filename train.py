@@ -184,7 +184,7 @@ def main(**flags):
             f"further, --resume with a larger --steps (its schedule is stretched to it)"
         )
         return checkpoint.load(o.out, dtype=torch.float32)[0], state.get("val_loss")
-    rank, world, device = start_processes(o.device)
+    rank, world, device = common.start_processes(o.device)
     check_fits(o, cfg, device)
     master = rank == 0
     # a fixed thread count also turns off MKL's dynamic threads, which under load sum in another
@@ -331,19 +331,6 @@ def saved_tokenizer(path):
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
-
-
-def start_processes(device):
-    """(rank, world size, device): DistributedDataParallel under torchrun (NCCL on GPUs, gloo on
-    CPUs), else one process."""
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        backend = "nccl" if torch.cuda.is_available() and device != "cpu" else "gloo"
-        dist.init_process_group(backend)
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-            device = f"cuda:{os.environ['LOCAL_RANK']}"
-    return rank, world, common.pick_device(device)
 
 
 def run_record(o, cfg, state, world, master, model_tok=None):

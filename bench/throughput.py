@@ -5,6 +5,7 @@ import time
 import torch
 
 import checkpoint
+import common
 import fast
 import memory
 import nosa
@@ -137,7 +138,7 @@ def bench_throughput(
     from kvcache import KVCache
     from model import Transformer
 
-    rank, world = tp_.init()[:2] if tp > 1 else (0, 1)
+    rank, world = common.start_processes()[:2] if tp > 1 else (0, 1)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     cuda = dev == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32

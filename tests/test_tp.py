@@ -87,7 +87,7 @@ def test_torchrun_generate_prints_what_one_process_prints():
     )
     text = lambda out: [line for line in out.splitlines() if "tokens/s" not in line]
     one = run([sys.executable])
-    two = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"])
+    two = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"])
     assert text(one) == text(two) and len(text(one)) > 3
 
 
@@ -99,7 +99,8 @@ def test_torchrun_refuses_serving_and_heads_that_do_not_divide():
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     run = lambda n, *flags: subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", "generate.py"]
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}"]
+        + ["generate.py"]
         + list(flags),
         cwd=root, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
