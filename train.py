@@ -28,6 +28,7 @@ import torch.nn.functional as F
 import checkpoint
 import common
 import config
+import fsdp
 from config import Config
 from data import STDLIB_CORPUS, corpus_id, get_batch, prepare, streams_dir, tokens
 from model import Transformer
@@ -196,7 +197,7 @@ def main(**flags):
     if init:
         start_from(model, init[0], o.init_from, master)
     if o.fsdp:  # the optimizer is made over the shards
-        fully_shard_blocks(model, device)
+        fsdp.fully_shard_blocks(model, device)
     opt, evict = optimizer(model, o, device)
     step = 0
     if o.resume:
@@ -471,10 +472,8 @@ def resume(model, opt, state, o, device, master):
     path = os.path.join(out, "optimizer.pt")
     try:
         opt_state = torch.load(path, map_location=device, weights_only=True)
-        if o.fsdp:  # whole into a plain optimizer of the saved weights, then shard by shard
-            whole, _ = optimizer(saved, o, device)
-            whole.load_state_dict(opt_state)
-            to_shards(model, opt, saved, whole)
+        if o.fsdp:  # shard by shard from the saved weights and their optimizer's state
+            fsdp.to_shards(model, opt, saved, opt_state)
         else:
             opt.load_state_dict(opt_state)
     except Exception as e:  # missing, truncated, or another run's
@@ -486,48 +485,6 @@ def resume(model, opt, state, o, device, master):
     if master:
         print(f"resumed from {out} at step {state['step']}")
     return state["step"]
-
-
-def fully_shard_blocks(model, device):
-    """FSDP2 (torch.distributed.fsdp.fully_shard), as torchtitan applies it: each block a unit, then
-    the rest; on GPUs the blocks compute in bf16 and reduce gradients in fp32."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if device.type == "cuda" else None
-    kw = dict(mp_policy=mp) if mp else {}
-    for block in model.layers:
-        fully_shard(block, **kw)
-    fully_shard(model, **kw)
-
-
-def gathered(model, opt, o):
-    """An FSDP2 model's weights and optimizer state gathered whole on the CPU, in every process (a
-    collective): a plain model and its optimizer, saved as any run's are."""
-    whole = lambda t: t.full_tensor().cpu() if hasattr(t, "full_tensor") else t.cpu()
-    plain = Transformer(model.cfg)
-    plain.load_state_dict({n: whole(p) for n, p in model.named_parameters()})
-    for name in ("eos_ids", "chat_template", "special_tokens"):
-        if hasattr(model, name):
-            setattr(plain, name, getattr(model, name))
-    plain_opt, _ = optimizer(plain, o, torch.device("cpu"))
-    for p, q in zip(model.parameters(), plain.parameters()):
-        if p in opt.state:
-            plain_opt.state[q] = {k: whole(v) for k, v in opt.state[p].items()}
-    return plain, plain_opt
-
-
-def to_shards(model, opt, plain, plain_opt):
-    """The twin of gathered: a plain model's weights and optimizer state into each process's
-    shards of the FSDP2 model (parameters in the same order)."""
-    from torch.distributed.tensor import distribute_tensor
-
-    shard = lambda t, p: distribute_tensor(t.to(p.device), p.device_mesh, p.placements)
-    with torch.no_grad():
-        for p, q in zip(model.parameters(), plain.parameters()):
-            p.copy_(shard(q, p))
-            if q in plain_opt.state:
-                st = plain_opt.state[q]
-                opt.state[p] = {k: shard(v, p) if v.dim() else v.clone() for k, v in st.items()}
 
 
 @dataclass
@@ -598,7 +555,7 @@ def train_steps(o, job, step):
             if (master or o.fsdp) and (step % o.eval_every == 0 or step == stop_at):
                 # under FSDP every process takes part: the forward and the gathering are collective
                 val_loss = evaluate(raw, job.val_data, o.batch_size, o.seq_len, device)
-                whole, whole_opt = gathered(raw, opt, o) if o.fsdp else (raw, opt)
+                whole, whole_opt = fsdp.gathered(raw, opt) if o.fsdp else (raw, opt)
                 if not master:
                     continue  # (the rest of the loop is the first process's)
                 # how far they moved from their start at 0

@@ -173,6 +173,9 @@ def test_fsdp_two_processes_equals_ddp_and_resumes(corpus, tmp_path):
     ddp, fsdp = str(tmp_path / "ddp"), str(tmp_path / "fsdp")
     run(ddp)
     run(fsdp, "--fsdp")
+    saved = torch.load(os.path.join(fsdp, "optimizer.pt"), weights_only=True)
+    n_params = sum(len(g["params"]) for g in saved["param_groups"])
+    assert len(saved["state"]) == n_params  # every parameter's moments, the root module's too
     a, b = (load_file(os.path.join(d, "model.safetensors")) for d in (ddp, fsdp))
     assert a.keys() == b.keys()
     for k in a:
