@@ -200,3 +200,24 @@ PRESETS = {
 PRESETS["paper-8b"] = dict(
     PRESETS["paper"], n_layer=32, dim=4096, H_q=32, H_kv=2, head_dim=128, hidden_dim=14336
 )
+
+
+def parse_overrides(items):
+    """["k=32", "n_layer=6"] -> {"k": 32, "n_layer": 6}, typed like the Config fields."""
+    defaults, out = Config(), {}
+    for item in items:
+        key, eq, val = item.partition("=")
+        if not eq:
+            raise ValueError(f"--set {item}: write FIELD=VALUE, e.g. --set k=32")
+        if key == "attn":
+            raise ValueError("--set attn=...: the attention mode has its own flag, --attn")
+        if not hasattr(defaults, key) or key.startswith("_"):
+            raise ValueError(f"--set {item}: unknown config field {key!r}; see config.Config")
+        typ = type(getattr(defaults, key))
+        truth = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+        try:
+            out[key] = truth[val.lower()] if typ is bool else typ(val)
+        except (KeyError, ValueError):
+            kind = dict(int="an integer", float="a number", bool="true or false")[typ.__name__]
+            raise ValueError(f"--set {item}: {key} takes {kind}") from None
+    return out

@@ -9,17 +9,17 @@ library's own source and its pydoc topics, read from the running interpreter. No
     python generate.py --checkpoint out/tiny-nosa     # what the first command trained
 
 The sparse pattern is the same in training and in decoding (nosa.py), so the model learns to use
-exactly the blocks it will see at inference. Checkpoints: checkpoint.py.
+exactly the blocks it will see at inference. This file holds the loop; what a run settles before
+its first step (its config, --out, data, --init-from, --resume) is in runs.py, FSDP2 in fsdp.py,
+checkpoints in checkpoint.py.
 """
 
 import argparse
-import json
 import math
 import os
 import sys
-import sysconfig
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
@@ -29,20 +29,9 @@ import checkpoint
 import common
 import config
 import fsdp
-from config import Config
-from data import STDLIB_CORPUS, corpus_id, get_batch, prepare, streams_dir, tokens
+import runs
+from data import STDLIB_CORPUS, get_batch
 from model import Transformer
-
-SHAPE_FIELDS = (
-    "vocab_size",
-    "n_layer",
-    "dim",
-    "H_q",
-    "H_kv",
-    "head_dim",
-    "hidden_dim",
-    "tie_embeddings",
-)
 
 
 def lm_loss(logits, y, w=None):
@@ -171,14 +160,14 @@ def main(**flags):
     names = {f.name for f in fields(Options)}
     o = Options(**{k: v for k, v in flags.items() if k in names})
     o.check()
-    cfg, init = configure(o, {k: v for k, v in flags.items() if k not in names})
-    state = check_out(o)
+    cfg, init = runs.configure(o, {k: v for k, v in flags.items() if k not in names})
+    state = runs.check_out(o)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if int(os.environ.get("RANK", "0")) == 0:
         o.lock = checkpoint.hold(o.out)  # held for the run's life: one run per --out
     # the corpus is encoded with the tokenizer of the model trained on (a new BPE for a new model)
-    model_tok = init[1] if init else saved_tokenizer(o.out) if o.resume else None
-    run = run_record(o, cfg, state, world, int(os.environ.get("RANK", "0")) == 0, model_tok)
+    model_tok = init[1] if init else runs.saved_tokenizer(o.out) if o.resume else None
+    run = runs.run_record(o, cfg, state, world, int(os.environ.get("RANK", "0")) == 0, model_tok)
     if state and state["step"] >= o.steps:
         print(
             f"the run in {o.out} is complete (step {state['step']} of {o.steps}); to train "
@@ -186,22 +175,22 @@ def main(**flags):
         )
         return checkpoint.load(o.out, dtype=torch.float32)[0], state.get("val_loss")
     rank, world, device = common.start_processes(o.device)
-    check_fits(o, cfg, device)
+    runs.check_fits(o, cfg, device)
     master = rank == 0
     # a fixed thread count also turns off MKL's dynamic threads, which under load sum in another
     # order: without it a run resumed on a busy machine is not bit for bit the run it continues
     torch.set_num_threads(torch.get_num_threads())
-    tok, train_data, val_data = load_data(o, cfg, run, world, master, model_tok, init)
+    tok, train_data, val_data = runs.load_data(o, cfg, run, world, master, model_tok, init)
     torch.manual_seed(o.seed)
     model = Transformer(cfg).to(device)
     if init:
-        start_from(model, init[0], o.init_from, master)
+        runs.start_from(model, init[0], o.init_from, master)
     if o.fsdp:  # the optimizer is made over the shards
         fsdp.fully_shard_blocks(model, device)
     opt, evict = optimizer(model, o, device)
     step = 0
     if o.resume:
-        step = resume(model, opt, state, o, device, master)
+        step = runs.resume(model, opt, state, o, device, master)
     raw = model
     if world > 1 and not o.fsdp:
         ids = [device.index] if device.type == "cuda" else None
@@ -231,209 +220,6 @@ def main(**flags):
     return raw, val_loss
 
 
-def configure(o, overrides):
-    """The run's Config: the preset's with --set's fields, or --init-from's (its shape, this mode).
-    Returns it and (the model, tokenizer) to start from, or None."""
-    if started_from_a_model(o) and checkpoint.is_checkpoint(o.out):  # its shape, not a preset's
-        cfg = replace(checkpoint.read_config(o.out)[1], attn=o.attn, **overrides)
-        init = None
-    elif not o.init_from:
-        cfg = Config.from_preset(o.preset, attn=o.attn, **overrides)
-        init = None
-    else:
-        o.init_from = checkpoint.resolve(o.init_from)
-        if not checkpoint.is_checkpoint(o.init_from):
-            raise FileNotFoundError(
-                f"--init-from {o.init_from}: no checkpoint there; train the model "
-                f"to start from first, e.g. `python train.py --attn full --out "
-                f"{o.init_from}`"
-            )
-        init = checkpoint.load(o.init_from, dtype=torch.float32)
-        have = init[0].cfg
-        shape = [k for k in overrides if k in SHAPE_FIELDS and overrides[k] != getattr(have, k)]
-        if shape:
-            k = shape[0]
-            raise ValueError(
-                f"--set {k}={overrides[k]}: --init-from keeps the shape of "
-                f"{o.init_from} ({k}={getattr(have, k)}); drop it, or start a new run"
-            )
-        cfg = replace(have, attn=o.attn, **overrides)  # an invalid config fails here
-    if o.seq_len > cfg.max_seq_len:
-        raise ValueError(
-            f"--seq-len {o.seq_len} exceeds the preset's max_seq_len {cfg.max_seq_len}"
-        )
-    return cfg, init
-
-
-def started_from_a_model(o):
-    """Whether --resume continues a run that was started --init-from a model (check_out says
-    what is wrong with a damaged state)."""
-    try:
-        return o.resume and bool(checkpoint.read_json(o.out, "train_state.json").get("init_from"))
-    except ValueError:
-        return False
-
-
-def check_out(o):
-    """--out before anything (never into checkpoints/, over the user's files, or unwritable), and
-    what it holds: the state of the run to resume, or None."""
-    if o.resume and not checkpoint.is_checkpoint(o.out):  # (before check_out makes its parents)
-        raise FileNotFoundError(
-            f"--resume: no checkpoint in {o.out!r} to continue; drop --resume to start a run there"
-        )
-    checkpoint.check_out(o.out)
-    if not o.resume and not o.force and checkpoint.is_checkpoint(o.out):
-        raise FileExistsError(
-            f"{o.out!r} already holds a checkpoint: --resume continues it, --force "
-            f"replaces it, --out DIR writes elsewhere"
-        )
-    if not o.resume:
-        return None
-    path = os.path.join(o.out, "train_state.json")
-    try:
-        with open(path) as f:
-            state = json.load(f)
-        step = state.get("step") if isinstance(state, dict) else None
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"its step is {step!r}, not a count of steps")
-        if o.steps < state.get("steps", 0):
-            raise ValueError(
-                f"--steps {o.steps}: the run in {o.out} has a schedule of {state['steps']} steps; "
-                f"give --steps {state['steps']} (or more, to extend it), or --stop-at to stop early"
-            )
-    except (OSError, ValueError) as e:
-        if str(e).startswith("--steps"):
-            raise
-        raise ValueError(
-            f"--resume: {path} is missing or damaged ({e}); the weights in {o.out} "
-            f"still generate, and --init-from {o.out} starts a new run from them"
-        ) from None
-    return state
-
-
-def check_fits(o, cfg, device):
-    """A step's largest tensors, the logits and their gradient in fp32, within the memory there
-    is: a batch far too large is one line here, not an allocator's failure after the corpus."""
-    import memory
-
-    need = 2 * o.batch_size * o.seq_len * cfg.vocab_size * 4
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-    else:
-        free = memory.host_bytes_available() or float("inf")
-    if need > free:
-        raise MemoryError(
-            f"--batch-size {o.batch_size} x --seq-len {o.seq_len}: the logits alone take "
-            f"{need / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB free; give a smaller batch"
-        )
-
-
-def saved_tokenizer(path):
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
-
-
-def run_record(o, cfg, state, world, master, model_tok=None):
-    """The run's record: its corpus (by the hash of its files) and the flags that make it. A resumed
-    run must be the saved one, config and flag for flag, also when it is complete; a larger --steps
-    extends it, and says so."""
-    corpus = o.corpus
-    if corpus is None:
-        corpus = corpus_id(o.data)  # the cache follows the files: a change of them makes a new one
-    else:
-        where = streams_dir(o.data_dir, corpus, cfg.vocab_size, model_tok)
-        if o.data or not os.path.exists(os.path.join(where, "train.bin")):
-            raise FileNotFoundError(
-                f"--corpus {corpus}: no prepared token streams in {where} (prepare them where "
-                f"the files are, with train.py, and copy that directory), and no --data beside it"
-            )
-    if master and not o.data and corpus != STDLIB_CORPUS:
-        print(
-            f"note: this interpreter's standard library (Python {sysconfig.get_python_version()}, "
-            f"corpus {corpus}) is not the corpus of the embedded model and of BENCHMARKS.md "
-            f"(CPython 3.11.7's, {STDLIB_CORPUS}): token counts and losses will differ from the "
-            f"README's",
-            flush=True,
-        )
-    run = dict(
-        seq_len=o.seq_len,
-        batch_size=o.batch_size * world,
-        lr=o.lr,
-        warmup=o.warmup,
-        weight_decay=o.weight_decay,
-        grad_clip=o.grad_clip,
-        seed=o.seed,
-        evict_lr_mult=o.evict_lr_mult,
-        corpus=corpus,
-        tasks=o.tasks,
-        answer_weight=o.answer_weight,
-        fsdp=o.fsdp,
-    )
-    if state:  # continue exactly that run (older checkpoints lack some of these)
-        flag = dict(
-            batch_size="--batch-size (times the processes)",
-            corpus="--data (its files changed, or others)",
-        )
-        for key, value in run.items():
-            if key in state and state[key] != value:
-                raise ValueError(
-                    f"--resume: the run in {o.out} has {key}={state[key]!r}, this "
-                    f"command {value!r}; give {flag.get(key, '--' + key.replace('_', '-'))}"
-                    f" as that run did, or --out DIR for a new run"
-                )
-        saved = checkpoint.load(o.out, dtype=torch.float32)[0].cfg
-        if saved != cfg:
-            raise ValueError(
-                f"--resume: the checkpoint in {o.out!r} has another config ({saved.attn}, "
-                f"{saved.n_layer} layers); use its flags, or --out DIR for a new run"
-            )
-        if master and o.steps > state.get("steps", o.steps):
-            print(
-                f"--steps {o.steps}: the run of {state['steps']} steps is extended, its "
-                f"learning-rate schedule stretched to {o.steps} steps"
-            )
-    return run
-
-
-def load_data(o, cfg, run, world, master, model_tok=None, init=None):
-    """The tokenizer and the token streams (made once, cached by the corpus's hash and the
-    tokenizer): a new BPE for a new model, the model's own tokenizer for one trained further."""
-    data_dir = streams_dir(o.data_dir, run["corpus"], cfg.vocab_size, model_tok)
-    end = checkpoint.EOT
-    if model_tok is not None and model_tok.token_to_id(end) is None and init:
-        end = init[0].special_tokens.get("eos_token")  # a document ends as a sequence does
-    if master:
-        tok = prepare(data_dir, cfg.vocab_size, o.data, model_tok, end)
-    if world > 1:
-        dist.barrier()
-    if not master:
-        tok = prepare(data_dir, cfg.vocab_size, o.data, model_tok, end)  # what rank 0 wrote
-    train_data = tokens(os.path.join(data_dir, "train.bin"), cfg.vocab_size)
-    val_data = tokens(os.path.join(data_dir, "val.bin"), cfg.vocab_size)
-    if min(len(train_data), len(val_data)) <= o.seq_len + 1:
-        raise ValueError(
-            f"corpus too small for --seq-len {o.seq_len}: {len(train_data)} train / "
-            f"{len(val_data)} val tokens; give more text or a shorter --seq-len"
-        )
-    return tok, train_data, val_data
-
-
-def start_from(model, init_model, path, master):
-    """--init-from: the model's weights from init_model's (an eviction head it lacks stays as made,
-    A = 0), and how it generates (end-of-sequence ids, chat template), which its checkpoints keep."""
-    model.eos_ids, model.chat_template = init_model.eos_ids, init_model.chat_template
-    model.special_tokens = init_model.special_tokens
-    sd = init_model.state_dict()
-    own = model.state_dict()
-    head = [n for n in own if n not in sd]  # the eviction head, if the source had none
-    model.load_state_dict({**own, **{n: t for n, t in sd.items() if n in own}})
-    if master:
-        layers = len({n.split(".")[1] for n in head if n.startswith("layers.")})
-        new = f"; new: the eviction head (A = 0, W_δ) of {layers} layers" if layers else ""
-        print(f"initialised from {path} ({init_model.cfg.attn}){new}")
-
-
 def optimizer(model, o, device):
     """AdamW with weight decay on matrices only; the eviction head (A starts at 0, and W_δ gets a
     gradient only through A) in a group of its own, at evict_lr_mult times the learning rate.
@@ -460,39 +246,12 @@ def optimizer(model, o, device):
     return opt, bool(evict)
 
 
-def resume(model, opt, state, o, device, master):
-    """The saved run's weights and optimizer state (its config and flags: run_record); returns its
-    step. Under --fsdp each process takes its shards of them (the checkpoint holds them whole)."""
-    out = o.out
-    saved, _ = checkpoint.load(out, device, dtype=torch.float32)
-    model.eos_ids, model.chat_template = saved.eos_ids, saved.chat_template
-    model.special_tokens = saved.special_tokens
-    if not o.fsdp:
-        model.load_state_dict(saved.state_dict())
-    path = os.path.join(out, "optimizer.pt")
-    try:
-        opt_state = torch.load(path, map_location=device, weights_only=True)
-        if o.fsdp:  # shard by shard from the saved weights and their optimizer's state
-            fsdp.to_shards(model, opt, saved, opt_state)
-        else:
-            opt.load_state_dict(opt_state)
-    except Exception as e:  # missing, truncated, or another run's
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
-        raise ValueError(
-            f"--resume: {path} is missing or damaged ({reason}); the weights in {out} "
-            f"still generate, and --init-from {out} starts a new run from them"
-        ) from None
-    if master:
-        print(f"resumed from {out} at step {state['step']}")
-    return state["step"]
-
-
 @dataclass
 class Job:
     """One process's part of a run, made by main and passed whole: where it runs (device, rank of
     world), the model (model: the DDP wrapper where several processes train, raw: the module), its
     optimizer and whether it trains an eviction head (evict), the tokenizer and the token streams,
-    and the run's record (run_record)."""
+    and the run's record (runs.run_record)."""
 
     device: torch.device
     rank: int
@@ -598,27 +357,6 @@ def train_steps(o, job, step):
     return step, val_loss
 
 
-def parse_overrides(items):
-    """["k=32", "n_layer=6"] -> {"k": 32, "n_layer": 6}, typed like the Config fields."""
-    defaults, out = Config(), {}
-    for item in items:
-        key, eq, val = item.partition("=")
-        if not eq:
-            raise ValueError(f"--set {item}: write FIELD=VALUE, e.g. --set k=32")
-        if key == "attn":
-            raise ValueError("--set attn=...: the attention mode has its own flag, --attn")
-        if not hasattr(defaults, key) or key.startswith("_"):
-            raise ValueError(f"--set {item}: unknown config field {key!r}; see config.Config")
-        typ = type(getattr(defaults, key))
-        truth = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
-        try:
-            out[key] = truth[val.lower()] if typ is bool else typ(val)
-        except (KeyError, ValueError):
-            kind = dict(int="an integer", float="a number", bool="true or false")[typ.__name__]
-            raise ValueError(f"--set {item}: {key} takes {kind}") from None
-    return out
-
-
 def cli(argv=None):
     p = argparse.ArgumentParser(description="Train a NOSA model on an offline corpus.")
     p.add_argument("--preset", help="config preset (config.PRESETS)")
@@ -695,7 +433,7 @@ def cli(argv=None):
     p.set_defaults(**{f.name: f.default for f in fields(Options)})  # the one source of defaults
     a = vars(p.parse_args(argv))
     sets = a.pop("set")
-    return common.run_cli(lambda: main(**a, **parse_overrides(sets)))
+    return common.run_cli(lambda: main(**a, **config.parse_overrides(sets)))
 
 
 if __name__ == "__main__":

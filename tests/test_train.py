@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import checkpoint
+import data
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -413,7 +414,7 @@ def test_the_corpus_cache_follows_its_files(corpus, tmp_path):
         (d / name).write_text(open(os.path.join(corpus, name)).read())
     train.main(out=str(tmp_path / "ck"), **kw)
     state = json.load(open(tmp_path / "ck" / "train_state.json"))
-    assert state["corpus"] == train.corpus_id(str(d)) and state["train_tokens"] > 10000
+    assert state["corpus"] == data.corpus_id(str(d)) and state["train_tokens"] > 10000
 
 
 def test_resume_refuses_another_run(corpus, tmp_path):
@@ -518,7 +519,7 @@ def test_training_on_a_prepared_corpus_without_its_files(corpus, tmp_path):
     library, copied as data/ID-VOCAB) without reading any files; an id without them is refused."""
     kw = dict(data_dir=str(tmp_path / "data"), steps=2, eval_every=2, **run, **small)
     train.main(out=str(tmp_path / "a"), data=corpus, **kw)
-    cid = train.corpus_id(corpus)
+    cid = data.corpus_id(corpus)
     _, val = train.main(out=str(tmp_path / "b"), corpus=cid, **kw)
     assert json.load(open(os.path.join(tmp_path, "b", "train_state.json")))["corpus"] == cid
     with pytest.raises(FileNotFoundError, match="--corpus 0123456789ab: no prepared token streams"):
