@@ -26,6 +26,7 @@ import torch
 import checkpoint
 import common
 import config
+import console
 import fast
 import memory
 import offload
@@ -173,7 +174,7 @@ class Options:
         inputs = {os.path.realpath(p) for p in (self.requests, self.checkpoint) if p}
         for flag, path in (("--profile", self.profile), ("--completions", self.completions)):
             if path:  # found now, not after the generation; nothing is made before serving
-                check_output(flag, path, inputs, replace=flag == "--profile" or self.force)
+                console.check_output(flag, path, inputs, replace=flag == "--profile" or self.force)
 
 
 def main(**flags):
@@ -188,7 +189,7 @@ def main(**flags):
         sys.stdout = open(os.devnull, "w")
     requests = []  # the file read and checked before the model is loaded
     if o.requests:
-        requests = serve.parse_requests(read_prompt(o.requests, "--requests"), o.requests)
+        requests = serve.parse_requests(console.read_prompt(o.requests, "--requests"), o.requests)
     n_prompts = 1 if isinstance(o.prompt, str) else max(len(o.prompt or []), 1)  # or prompt.txt
     if o.completions and not (o.requests or o.batch and o.batch < n_prompts):
         raise ValueError(
@@ -225,11 +226,13 @@ def main(**flags):
     if pl.serving:
         return serve_requests(o, model, tokenizer, cache, pl, list(zip(ids, news, names)))
     ids = rows
-    printer = None if batch > 1 or o.quiet or o.prompt_len else Printer(tokenizer, model.eos_ids)
+    printer = (
+        None if batch > 1 or o.quiet or o.prompt_len else console.Printer(tokenizer, model.eos_ids)
+    )
     if printer:
         print(prompts[0], end="", flush=True)
-    progress = PrefillProgress([len(p) for p in ids], device, o.quiet)
-    with profiler(o.profile, device) as prof:
+    progress = console.PrefillProgress([len(p) for p in ids], device, o.quiet)
+    with console.profiler(o.profile, device) as prof:
         out = generate(
             model,
             ids,
@@ -254,7 +257,7 @@ def main(**flags):
             print(f"--- sample {i} ---\n{tokenizer.decode(ids[i])}{tokenizer.decode(seq)}")
         print("---")
     report(o, cache, pl, ids, out, progress)
-    export_trace(prof, o.profile)
+    console.export_trace(prof, o.profile)
     return out
 
 
@@ -353,13 +356,15 @@ def encode(o, model, tokenizer, requests=()):
         news.append(n or o.max_new_tokens)
         names.append(f"request {len(names)} (line {line} of {o.requests})")
     if not prompts:
-        prompts, news, names = [read_prompt(PROMPT_FILE)], [o.max_new_tokens], [PROMPT_FILE]
+        prompts, news, names = [console.read_prompt(PROMPT_FILE)], [o.max_new_tokens], [PROMPT_FILE]
     if o.chat:
         if not model.chat_template:
             raise ValueError(
                 f"--chat: {o.checkpoint} has no chat template (tokenizer_config.json); drop --chat"
             )
-        prompts = [chat_prompt(model.chat_template, p, model.special_tokens) for p in prompts]
+        prompts = [
+            console.chat_prompt(model.chat_template, p, model.special_tokens) for p in prompts
+        ]
     ids = [tokenizer.encode(p, add_special_tokens=not o.chat).ids for p in prompts]
     empty = [name for name, p in zip(names, ids) if not p]
     if empty:
@@ -367,44 +372,6 @@ def encode(o, model, tokenizer, requests=()):
     if o.prompt_len:
         ids = [(p * (o.prompt_len // len(p) + 1))[: o.prompt_len] for p in ids]
     return prompts, ids, news, names
-
-
-def check_output(flag, path, inputs, replace):
-    """An output file before any work: never an input (links resolved), never a directory, an
-    existing file only where replacing it is asked, and a place that can be written; nothing is
-    made here."""
-    real = os.path.realpath(path)
-    if real in inputs:
-        raise ValueError(f"{flag} {path} is an input of this run; give another file")
-    if os.path.isdir(real):
-        raise ValueError(f"{flag} {path} is a directory; give a file in it")
-    if os.path.exists(real) and os.path.getsize(real) and not replace:
-        raise FileExistsError(f"{flag} {path} exists and is not empty; --force replaces it")
-    folder = os.path.dirname(real)
-    while not os.path.exists(folder):  # folders it lacks are made with the file
-        folder = os.path.dirname(folder)
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-        raise ValueError(f"{flag} {path}: cannot write in {folder}; give a writable path")
-
-
-def export_trace(prof, path):
-    """The profiler's trace to path, whole or not at all: written beside it, then renamed."""
-    if not prof:
-        return
-    part = f"{path}.{os.getpid()}.part"
-    try:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        prof.export_chrome_trace(part)
-        os.replace(part, path)
-    except (OSError, RuntimeError) as e:
-        for p in (part, part + ".tmp"):
-            if os.path.exists(p):
-                os.remove(p)
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-        raise OSError(
-            f"--profile {path}: could not write the trace ({reason}); none written"
-        ) from None
-    print(f"profile: {path} (chrome://tracing or ui.perfetto.dev)")
 
 
 def speed_up(o, model, pl, ids):
@@ -481,13 +448,13 @@ def serve_requests(o, model, tokenizer, cache, pl, requests):
     pick = lambda logits: sample(logits, o.temperature, o.top_k)
     budget = serve.Budget(model.cfg.n_layer, o.prefill_budget, o.max_stall)
     t0 = time.perf_counter()
-    with jsonl or contextlib.nullcontext(), profiler(o.profile, device) as prof:
+    with jsonl or contextlib.nullcontext(), console.profiler(o.profile, device) as prof:
         decode = fast.GraphedDecode(model, cache, pl.micro)
         serve.serve(
             model, reqs, cache, pick, model.eos_ids, pl.chunk, pl.on_host, decode, budget, done
         )
     total, ttft = time.perf_counter() - t0, sorted(r.t_first for r in reqs)
-    export_trace(prof, o.profile)
+    console.export_trace(prof, o.profile)
     n_tok = sum(len(r.out) for r in reqs)
     print(
         f"served: {len(reqs)} requests over {len(cache.len)} rows in {total:.2f} s, {n_tok} new "
@@ -502,17 +469,6 @@ def serve_requests(o, model, tokenizer, cache, pl, requests):
     if device.type == "cuda":
         print(f"GPU memory: {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB at the peak")
     return [r.out for r in reqs]
-
-
-def profiler(path, device):
-    """A torch.profiler context where a trace is asked for (its ranges: the step's selection,
-    transfer and attention), else a context that does nothing."""
-    if not path:
-        return contextlib.nullcontext()
-    acts = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        acts.append(torch.profiler.ProfilerActivity.CUDA)
-    return torch.profiler.profile(activities=acts)
 
 
 def random_model(cfg, device, dtype):
@@ -536,96 +492,6 @@ def random_model(cfg, device, dtype):
     finally:
         torch.set_default_dtype(default)
     return model.eval()
-
-
-class PrefillProgress:
-    """on_prefill for generate: when each prompt's prefill ended (done, host clock, the device
-    synchronised), and a line on stderr every few seconds of a long prefill: tokens done, tokens/s
-    and the time left (unless quiet)."""
-
-    def __init__(self, lens, device, quiet, every=3.0):
-        self.lens, self.device, self.quiet, self.every = lens, device, quiet, every
-        self.t0 = self.shown = time.perf_counter()
-        self.done, self.t_end = [], None  # t_end: when the generation ended (main sets it)
-
-    def __call__(self, i, fraction):
-        if fraction < 1 and self.quiet:
-            return
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        now = time.perf_counter()
-        if fraction == 1:
-            self.done.append(now)
-        if not self.quiet and now - self.shown >= self.every:
-            self.shown = now
-            n = sum(self.lens[:i]) + fraction * self.lens[i]
-            rate, total = n / (now - self.t0), sum(self.lens)
-            print(
-                f"prefill: {n:.0f} of {total} tokens (prompt {i + 1} of {len(self.lens)}), {rate:.0f} tokens/s, "
-                f"{(total - n) / rate:.0f} s left",
-                file=sys.stderr,
-                flush=True,
-            )
-
-
-class Printer:
-    """Prints the text of a single sequence as its tokens arrive: the decoded text grows by whole
-    characters (a byte-level token may end inside one), and stops at the end of the sequence."""
-
-    def __init__(self, tokenizer, eos_ids):
-        self.tokenizer, self.eos_ids, self.ids, self.shown, self.ended = (
-            tokenizer,
-            eos_ids,
-            [],
-            0,
-            False,
-        )
-
-    def __call__(self, tok):
-        if self.ended:
-            return
-        self.ids.append(int(tok[0]))
-        self.ended = self.ids[-1] in self.eos_ids
-        text = self.tokenizer.decode(self.ids)
-        if not text.endswith("\ufffd") or self.ended:
-            print(text[self.shown :], end="", flush=True)
-            self.shown = len(text)
-
-
-def chat_prompt(template, text, special_tokens):
-    """A user message in the checkpoint's (Jinja) chat template, ready for the assistant's answer."""
-    from jinja2.exceptions import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(msg):
-        raise TemplateError(msg)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    try:
-        return env.from_string(template).render(
-            messages=[{"role": "user", "content": text}],
-            add_generation_prompt=True,
-            **special_tokens,
-        )
-    except Exception as e:  # TemplateError, and whatever the template's own code raises
-        reason = f"{type(e).__name__}: {e}".splitlines()[0][:160]
-        raise ValueError(f"--chat: the checkpoint's chat template fails ({reason})") from None
-
-
-def read_prompt(path, flag="--prompt-file"):
-    """A text file a flag names: relative to the working directory where it is there, else to the
-    repository (prompt.txt from anywhere); a regular file of UTF-8 text."""
-    path = checkpoint.resolve(path)
-    if os.path.exists(path) and not os.path.isfile(path):
-        raise ValueError(f"{flag} {path} is not a regular file; give a text file")
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{flag} {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    except OSError as e:
-        raise FileNotFoundError(f"{flag} {path}: {e.strerror}") from None
 
 
 def cli(argv=None):
@@ -719,7 +585,7 @@ def cli(argv=None):
     def run():
         if common.pick_device(a["device"]).type == "cpu":  # decoding a small model is a chain of
             torch.set_num_threads(1)  # small ops: one thread is as fast as two, and steadier
-        a["prompt"] = (a["prompt"] or []) + [read_prompt(f) for f in files] or None
+        a["prompt"] = (a["prompt"] or []) + [console.read_prompt(f) for f in files] or None
         return main(**a)
 
     return common.run_cli(run)

@@ -107,7 +107,7 @@ def core_against_dense(nosa, dense, x, generator):
 def recall_cases(tok, model, val, lengths, n, seed=0):
     """n chat prompts per length (tokens of held-out code around the planted fact): [(length,
     ids, key, position of the fact's number)]."""
-    import generate
+    import console
 
     rng = np.random.default_rng(seed)
     out = []
@@ -121,7 +121,7 @@ def recall_cases(tok, model, val, lengths, n, seed=0):
             tail = tok.decode(code[depth:], skip_special_tokens=False)
             fact = f"\nThe secret number is {key}. Remember it.\n"
             user = f"{head}{fact}{tail}\nWhat is the secret number?"
-            text = generate.chat_prompt(model.chat_template, user, model.special_tokens)
+            text = console.chat_prompt(model.chat_template, user, model.special_tokens)
             ids = tok.encode(text + "The secret number is", add_special_tokens=False).ids
             before = text[: text.index(fact) + len("\nThe secret number is")]
             at = len(tok.encode(before, add_special_tokens=False).ids)  # the number's first token

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import checkpoint
+import console
 import fast
 import generate
 
@@ -102,11 +103,11 @@ def test_chat_prompt_uses_the_template():
         "{% if add_generation_prompt %}<|assistant|>{% endif %}"
     )
     assert (
-        generate.chat_prompt(template, "hi", {"bos_token": "<s>"})
+        console.chat_prompt(template, "hi", {"bos_token": "<s>"})
         == "<s><|user|>hi<|end|><|assistant|>"
     )
     with pytest.raises(ValueError, match="chat template fails"):
-        generate.chat_prompt("{{ raise_exception('only system roles') }}", "hi", {})
+        console.chat_prompt("{{ raise_exception('only system roles') }}", "hi", {})
 
 
 def test_single_prompt_streams_its_text(capsys):

@@ -286,13 +286,14 @@ SMOLLM2 = os.environ.get("SMOLLM2_GGUF") or os.path.join(
 def test_smollm2_imports_and_answers_as_transformers_does(tmp_path):
     """The real model: its greedy chat answer, and where transformers is installed, its logits
     against transformers' own GGUF loader (fp32, 1e-4) and the same token ids for the same text."""
+    import console
     import generate
 
     out = tmp_path / "smollm2"
     import_gguf.main(SMOLLM2, str(out))
     model, tok = checkpoint.load(str(out), dtype=torch.float32)
     question = "What is the capital of France?"
-    prompt = generate.chat_prompt(model.chat_template, question, model.special_tokens)
+    prompt = console.chat_prompt(model.chat_template, question, model.special_tokens)
     ids = tok.encode(prompt, add_special_tokens=False).ids
     answer = generate.generate(model, [ids], 20, eos_ids=model.eos_ids)[0]
     assert tok.decode(answer, skip_special_tokens=True) == "The capital of France is Paris."

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import checkpoint
+import console
 import generate
 import serve
 import train
@@ -247,7 +248,7 @@ def test_a_data_folder_with_a_link_to_itself_is_read_once(tmp_path):
 
 def test_a_chat_template_that_raises_anything_is_one_line():
     with pytest.raises(ValueError, match="chat template fails .*OverflowError"):
-        generate.chat_prompt("{{ 10.0 ** 400 }}", "hi", {})
+        console.chat_prompt("{{ 10.0 ** 400 }}", "hi", {})
 
 
 def test_numbers_in_a_config_file_are_checked_finite(tmp_path):
