@@ -225,7 +225,7 @@ class KVCache(Cache):
             self.c[layer][rows, :, pos] = c
         if self.sub:
             self.sub.reserve(layer, max_pos + 1)
-        return self.cfg.n_blocks(self.S())
+        return self.cfg.n_blocks(max(self.capacity(), max_pos + 1))  # (S)
 
     def blocks(self, layer, block_mask):
         """Everything is resident: the cached tokens, which attention masks by Γ(t)."""
