@@ -105,12 +105,24 @@ def pick_device(name=None):
 
 def start_processes(name=None):
     """(rank, world, device): under torchrun the process group started (NCCL on GPUs, gloo on CPUs
-    or where --device cpu asks) and this process's GPU; alone (0, 1, pick_device(name))."""
+    or where --device cpu asks) and this process's GPU; alone (0, 1, pick_device(name)). More
+    processes on a machine than it has GPUs is refused before any work."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return 0, 1, pick_device(name)
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    cuda = torch.cuda.is_available() and pick_device(name).type == "cuda"
+    here, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", world)), torch.cuda.device_count()
+    try:  # one line, from the first process; the others leave quietly
+        cuda = pick_device(name).type == "cuda"  # (--device cuda without CUDA fails here)
+        if cuda and here > gpus:
+            raise ValueError(
+                f"{here} processes but {gpus} GPU{'s' * (gpus != 1)}: run with --device cpu, or "
+                f"--nproc_per_node {gpus}"
+            )
+    except ValueError:
+        if rank == 0:
+            raise
+        sys.exit(2)
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)

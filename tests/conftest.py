@@ -46,6 +46,15 @@ small = dict(
 )
 
 
+def processes_env(n):
+    """The environment of a test that starts n processes: where fewer than n GPUs are visible they
+    run on CPUs (gloo), so that no test starts a process on a GPU the machine lacks."""
+    env = dict(os.environ)
+    if torch.cuda.device_count() < n:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
 def make_model(attn, dtype, **kw):
     cfg = Config.from_preset("tiny", attn=attn, **{**small, **kw})
     model = Transformer(cfg).to(dtype)

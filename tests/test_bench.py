@@ -8,6 +8,7 @@ import torch
 
 from bench.throughput import PHASES, bench_throughput
 from config import Config
+from tests.conftest import processes_env
 
 
 def test_throughput_bench_small():
@@ -392,7 +393,9 @@ def test_throughput_bench_with_tensor_parallelism_small():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "-m", "bench", "throughput", "--shape", "tiny", "--tp", "2"]
     cmd += ["--budget-gb", "0.02", "--steps", "4", "--systems", "nosa-offload"]
-    r = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        cmd, cwd=root, capture_output=True, text=True, timeout=300, env=processes_env(2)
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     rows = [
         line for line in r.stdout.splitlines() if line.startswith("{'system': 'nosa + offload'")

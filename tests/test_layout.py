@@ -31,9 +31,10 @@ def imports(path):
 def test_an_offloaded_decode_step_runs_in_seven_files_and_the_shared_two():
     """The Python frames of one offloaded decode step on a CPU (the torch path): model, nosa,
     pooling, eviction, attention, kvcache, offload, and config and common; no kernel file, no fast."""
-    model = make_model("nosa", torch.float32)
-    cache = OffloadCache(model.cfg, 2, "cpu", torch.float32, max_len=200)
-    idx = torch.randint(0, 97, (2, 150))
+    dev = "cuda" if kernels and torch.cuda.is_available() else "cpu"  # kernels: compiled there
+    model = make_model("nosa", torch.float32).to(dev)
+    cache = OffloadCache(model.cfg, 2, dev, torch.float32, max_len=200)
+    idx = torch.randint(0, 97, (2, 150), device=dev)
     from prefill import prefill
 
     with torch.no_grad():
@@ -70,13 +71,14 @@ SYSTEM = {"kvcache.py", "offload.py", "memory.py"}  # pass 2: the caches, which 
 @pytest.mark.parametrize("kernels", [False, True])
 def test_a_decode_step_consults_the_cache_as_a_store_in_the_methods_order(kernels):
     """The order of one offloaded decode step, traced call by call (torch path, and the kernel
-    path interpreted): nosa.nosa_decode consults the cache three times a layer (write, blocks,
+    path: compiled on a GPU, interpreted on a CPU): nosa.nosa_decode consults the cache three times a layer (write, blocks,
     flush), model.decode once a step (advance), each call returning straight to the method, so
     the step crosses between the method's files and the system's at most 6 times a layer and 2 a
     step; and no system file ever calls into the method's files."""
-    model = make_model("nosa", torch.float32)
-    cache = OffloadCache(model.cfg, 2, "cpu", torch.float32, max_len=200)
-    idx = torch.randint(0, 97, (2, 150))
+    dev = "cuda" if kernels and torch.cuda.is_available() else "cpu"  # kernels: compiled there
+    model = make_model("nosa", torch.float32).to(dev)
+    cache = OffloadCache(model.cfg, 2, dev, torch.float32, max_len=200)
+    idx = torch.randint(0, 97, (2, 150), device=dev)
     from prefill import prefill
 
     calls, wrong = [], []

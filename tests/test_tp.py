@@ -14,9 +14,9 @@ import tp
 from config import Config
 from kvcache import KVCache
 from offload import OffloadCache
-from tests.conftest import decode_logits, make_model, small
+from tests.conftest import decode_logits, make_model, processes_env, small
 
-MODES = ("nosa", "infllmv2", "dma", "full")
+MODES = ("nosa", "infllmv2", "dma", "full", "nosa-hh")
 
 
 def free_port():
@@ -80,9 +80,10 @@ def test_torchrun_generate_prints_what_one_process_prints():
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     flags = ["generate.py", "--offload", "--max-new-tokens", "24", "--temperature", "0"]
+    env = processes_env(2)  # both runs on the same device: the same greedy text
     run = lambda cmd: (
         subprocess.run(
-            cmd + flags, cwd=root, capture_output=True, text=True, timeout=300, check=True
+            cmd + flags, cwd=root, capture_output=True, text=True, timeout=300, check=True, env=env
         ).stdout
     )
     text = lambda out: [line for line in out.splitlines() if "tokens/s" not in line]
@@ -102,9 +103,48 @@ def test_torchrun_refuses_serving_and_heads_that_do_not_divide():
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}"]
         + ["generate.py"]
         + list(flags),
-        cwd=root, capture_output=True, text=True, timeout=300,
+        cwd=root, capture_output=True, text=True, timeout=300, env=processes_env(n),
     )  # fmt: skip
     r = run(2, "--requests", "requests.jsonl", "--batch", "1", "--max-new-tokens", "4")
     assert r.returncode != 0 and "serving requests under torchrun is not supported" in r.stderr
     r = run(3, "--max-new-tokens", "4")
     assert r.returncode != 0 and "3 processes cannot share H_kv=2" in r.stderr
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_more_processes_than_gpus_is_one_line_before_any_work(rank, monkeypatch, capsys):
+    """2 processes on a machine with 1 GPU (faked): the first says what to do in one line, the other
+    leaves without a word; neither asks for a GPU it lacks. With --device cpu they may run."""
+    import common
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("LOCAL_RANK", str(rank))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: pytest.fail("asked for a GPU"))
+    with pytest.raises(SystemExit) as e:
+        common.run_cli(common.start_processes)
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    if rank == 0:
+        want = "error: 2 processes but 1 GPU: run with --device cpu, or --nproc_per_node 1\n"
+        assert err == want
+    else:
+        assert err == ""
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)  # (no process group is started here)
+    assert common.start_processes("cpu") == (rank, 2, torch.device("cpu"))
+
+
+def test_device_cuda_without_cuda_is_one_line_under_torchrun_too(monkeypatch, capsys):
+    import common
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for rank, want in ((0, "sees no CUDA device; use --device cpu"), (1, "")):
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("RANK", str(rank))
+        with pytest.raises(SystemExit) as e:
+            common.run_cli(common.start_processes, "cuda")
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and want in err and err.count("\n") == (rank == 0)

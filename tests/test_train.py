@@ -13,6 +13,7 @@ import torch
 import checkpoint
 import data
 import train
+from tests.conftest import processes_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 small = dict(
@@ -148,7 +149,9 @@ def test_ddp_two_processes_on_cpu(corpus, tmp_path):
         "--nproc_per_node=2",
         "train.py",
     ]
-    r = subprocess.run(ddp + args, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        ddp + args, cwd=ROOT, capture_output=True, text=True, timeout=300, env=processes_env(2)
+    )
     assert r.returncode == 0, f"stdout: {r.stdout[-3000:]}\nstderr (both ranks): {r.stderr[-8000:]}"
     assert "x 4 x 64 tokens" in r.stdout  # 2 processes x batch 2
     assert json.load(open(os.path.join(out, "train_state.json")))["step"] == 3
@@ -167,7 +170,9 @@ def test_fsdp_two_processes_equals_ddp_and_resumes(corpus, tmp_path):
 
     def run(out, *more):
         cmd = torchrun + ["train.py", f"--out={out}", *args, *more]
-        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        r = subprocess.run(
+            cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=processes_env(2)
+        )
         assert r.returncode == 0, f"stdout: {r.stdout[-3000:]}\nstderr: {r.stderr[-8000:]}"
         return r.stdout
 
@@ -189,7 +194,7 @@ def test_fsdp_two_processes_equals_ddp_and_resumes(corpus, tmp_path):
         and json.load(open(os.path.join(fsdp, "train_state.json")))["step"] == 5
     )
     r = subprocess.run(torchrun + ["train.py", f"--out={fsdp}", *args, "--resume", "--steps=6"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+                       cwd=ROOT, capture_output=True, text=True, timeout=300, env=processes_env(2))  # fmt: skip
     assert r.returncode != 0 and "fsdp=True" in r.stdout + r.stderr  # that run was sharded
 
 
@@ -314,6 +319,10 @@ def test_data_that_is_not_text_is_refused(tmp_path, corpus):
         (["--evict-lr-mult", "0"], "--evict-lr-mult 0.0: must be positive"),
         (["--answer-weight", "inf", "--tasks", "0.2"], "--answer-weight inf: give a finite number"),
         (["--out", checkpoint.DEFAULT_CHECKPOINT], "training never writes into"),
+        (["--head-warmup", "120"], "--head-warmup 120: the first steps of the run's --steps 120"),
+        (["--head-warmup", "-1"], "--head-warmup -1"),
+        (["--head-distill", "nan"], "--head-distill nan: a weight of at least 0"),
+        (["--attn", "infllmv2", "--head-warmup", "5"], "which --attn infllmv2 lacks"),
     ]
     + ([(["--device", "cuda"], "sees no CUDA device")] if not torch.cuda.is_available() else []),
 )
