@@ -6,7 +6,7 @@ Benchmarks, run on the GPU machine; every figure is a ratio against a limit meas
     python -m bench decode                      # decode kernels vs HBM bandwidth, batch 1..64
     python -m bench sdpa                        # dense decode under each SDPA backend
     python -m bench quality                     # out/tiny-{nosa,full,infllmv2,dma} from train.py: long-context quality
-    python -m bench eviction [--checkpoint DIR] # does E choose the blocks attention goes to? (CPU)
+    python -m bench eviction [--checkpoint DIR] # how much attention Γ(t) holds, per rule for E (CPU)
     python -m bench throughput --shape 8b --prompt-len 32768 --budget-gb 24   # decode at a fixed GPU budget
     python -m bench throughput --trained --prompt-len 8192                     # the same, trained tiny models
     python -m bench requests --shape 8b --prompt-len 131072 --budget-gb 24    # whole requests: prefill + decode

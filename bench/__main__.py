@@ -31,6 +31,8 @@ def main(
     cases=200,
     distances=None,
     corpus=None,
+    reference=None,
+    sets=(),
     **throughput,
 ):
     check(what, json_path, systems, dict(throughput, cases=cases, gen_len=gen_len, trained=trained))
@@ -53,7 +55,9 @@ def main(
     if what == "quality":
         rows = quality.bench_quality(ckpts, systems or tuple(quality.SYSTEMS), judge, gen_len)
     elif what == "eviction":
-        rows = eviction.bench_eviction(checkpoint_dir)
+        from config import parse_overrides
+
+        rows = eviction.bench_eviction(checkpoint_dir, reference, **parse_overrides(sets))
     elif what == "recall":
         systems = systems or tuple(quality.SYSTEMS)
         distances = distances or recall.DISTANCES
@@ -255,6 +259,19 @@ def cli(argv=None):
         "imported dense model DIR, continued by train.py into DIR-full, DIR-infllmv2, DIR-nosa",
     )
     p.add_argument(
+        "--reference",
+        metavar="CKPT",
+        help="eviction: the model whose dense attention measures the selections (default: the "
+        "checkpoint's own), e.g. the dense model a NOSA model was continued from",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="eviction: a selection field to read the checkpoint at, e.g. --set k=16",
+    )
+    p.add_argument(
         "--corpus",
         help="pretrained: the id of the corpus the models were trained on (train_state.json's; "
         "default: the standard library here), whose held-out files are read from data/",
@@ -391,6 +408,8 @@ def cli(argv=None):
         cases=a.cases,
         distances=a.distances,
         corpus=a.corpus,
+        reference=a.reference,
+        sets=a.set,
         systems=a.systems.split(",") if a.systems else None,
         **kw,
     )
