@@ -7,7 +7,7 @@ field is checked when a Config is made, so a bad config.json or --set fails in o
 import math
 from dataclasses import asdict, dataclass, fields, replace
 
-MODES = ("full", "infllmv2", "dma", "nosa")
+MODES = ("full", "infllmv2", "dma", "nosa", "nosa-hh")
 
 
 @dataclass(frozen=True)
@@ -109,6 +109,10 @@ class Config:
         )
         check(self.max_seq_len >= self.B, "max_seq_len must hold at least one block")
         check(
+            self.attn != "nosa-hh" or self.n_win >= 1,
+            "nosa-hh scores a block by the attention it got in the window: need n_win >= 1",
+        )
+        check(
             self.rope_scaling is None or self.rope_scaling.get("rope_type") in ("linear", "llama3"),
             f"rope_scaling={self.rope_scaling!r}: None, or a linear or llama3 scaling",
         )
@@ -122,8 +126,12 @@ class Config:
         return self.attn != "full"
 
     @property
-    def eviction_head(self):  # has the eviction head A, W_δ and its bias (nosa, dma)
-        return self.attn in ("nosa", "dma")
+    def eviction_head(self):  # has the eviction head A, W_δ and its bias (nosa, nosa-hh, dma)
+        return self.attn in ("nosa", "nosa-hh", "dma")
+
+    @property
+    def heavy_hitters(self):  # E is the attention a block got in the window (nosa-hh: eviction.py)
+        return self.attn == "nosa-hh"
 
     @property
     def G(self):  # query heads per KV head
@@ -135,9 +143,8 @@ class Config:
 
     @property
     def k_q_free(self):  # picks by Q beyond F(t) in this attention mode
-        return {"nosa": self.k_q - 1, "infllmv2": self.k - self.n_forced, "dma": 0, "full": 0}[
-            self.attn
-        ]
+        free = {"infllmv2": self.k - self.n_forced, "dma": 0, "full": 0}
+        return free.get(self.attn, self.k_q - 1)  # nosa, nosa-hh
 
     @property
     def n_core(self):  # picks by E beyond F(t): the core (nosa: k_e - n_sink - n_win)
@@ -150,6 +157,12 @@ class Config:
     @property
     def p(self):  # sub-blocks of the block before that overlap a block
         return (self.l_c - 1) // self.s_c
+
+    @property
+    def E_layout(
+        self,
+    ):  # (r, p) of what a block's E is read from: c̃, or one entry a block (nosa-hh)
+        return (1, 0) if self.heavy_hitters else (self.r, self.p)
 
     @property
     def n_list(self):  # length of the E-list a decode step keeps per row: n_core + k_q - 1 (nosa)

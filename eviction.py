@@ -22,6 +22,8 @@ decoding a step at a time (join_leaver). The tests check that they agree and tha
 never comes back. Kernels (eviction_kernels.py): block_lists and join_leaver, one insertion in both.
 """
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -96,14 +98,16 @@ def core_blocks(E, cand, n_core):
 # when a block leaves the window. No step sorts all blocks by E.
 
 
-def block_score(c_sub, b, cfg):
-    """E of one block per row: c̃ (..., M), b (...,) block ids -> (...,), as eviction_block_scores."""
-    m = pooling.overlapping_subblocks(b, cfg)  # (..., r+p)
-    M = c_sub.shape[-1]
+def block_score(scores, b, cfg):
+    """E of one block per row: b (...,) block ids -> (...,), from `scores`: c̃ (..., M) (the max over
+    the sub-blocks that overlap b, as eviction_block_scores), or h (..., nb) in nosa-hh."""
+    r, p = cfg.E_layout
+    m = b[..., None] * r - p + torch.arange(r + p, device=b.device)  # (..., r+p)
+    M = scores.shape[-1]
     if M == 0:  # no whole sub-block yet: no block has a score
-        return torch.full(b.shape, float("-inf"), dtype=c_sub.dtype, device=c_sub.device)
+        return torch.full(b.shape, float("-inf"), dtype=scores.dtype, device=scores.device)
     valid = (m >= 0) & (m < M)
-    return c_sub.gather(-1, m.clamp(0, M - 1)).masked_fill(~valid, float("-inf")).amax(-1)
+    return scores.gather(-1, m.clamp(0, M - 1)).masked_fill(~valid, float("-inf")).amax(-1)
 
 
 def best_first(ids, E, n):
@@ -145,33 +149,33 @@ def join_core_list(ids, E_ids, b_new, E_new):
     return ids, torch.where(join, torch.where(here, E_new, E_ids.gather(-1, src)), E_ids)
 
 
-def block_lists(c_sub, first, last, cfg, carry=None):
+def block_lists(scores, first, last, cfg, carry=None):
     """The list of the best n = n_core + k_q - 1 candidates by E, best first (core_list), of each
     query block first .. last, kept by the eviction policy as decoding keeps it: the candidates of query
     block b are those of b - 1 and the block that has just left the window, b - 1 - n_win, which joins
-    the list (join_core_list) with its E from c̃ (block_score). nosa.select_blocks with these lists
-    selects what it selects from E itself. c_sub (Bz, H_kv, M): the sub-block means of c.
+    the list (join_core_list) with its E (block_score). nosa.select_blocks with these lists selects
+    what it selects from E itself. scores: c̃ (Bz, H_kv, M), the sub-block means of c, or in nosa-hh
+    h (Bz, H_kv, nb), final for every block that has left the window of query block `last`.
     carry: (ids, E, b), the list of query block b <= first that a call for the blocks before left (a
     prefill's earlier chunks); None: from the empty list of block 0.
     Returns the lists (Bz, H_kv, last - first + 1, n) and the carry of block `last`.
     Kernel: eviction_kernels.block_lists."""
     n = cfg.n_core + cfg.k_q_free
     if carry is None:
+        shape, dev = (*scores.shape[:2], n), scores.device
         carry = (
-            torch.full((*c_sub.shape[:2], n), -1, dtype=torch.long, device=c_sub.device),
-            torch.full(
-                (*c_sub.shape[:2], n), float("-inf"), dtype=c_sub.dtype, device=c_sub.device
-            ),
+            torch.full(shape, -1, dtype=torch.long, device=dev),
+            torch.full(shape, float("-inf"), dtype=scores.dtype, device=dev),
             0,
         )
-    if use_kernels(c_sub):
-        return eviction_kernels.block_lists(c_sub, first, last, cfg, carry)
+    if use_kernels(scores):
+        return eviction_kernels.block_lists(scores, first, last, cfg, carry)
     ids, E, b0 = carry
     lists = [ids] if b0 == first else []
     for b in range(b0 + 1, last + 1):
         if b - 1 - cfg.n_win >= cfg.n_sink:  # a candidate leaves the window
             b_new = torch.full(ids.shape[:-1], b - 1 - cfg.n_win, device=ids.device)
-            ids, E = join_core_list(ids, E, b_new, block_score(c_sub, b_new, cfg))
+            ids, E = join_core_list(ids, E, b_new, block_score(scores, b_new, cfg))
         if b >= first:
             lists.append(ids)
     return torch.stack(lists, 2), (ids, E, last)
@@ -187,17 +191,134 @@ def core_picks(ids, taken, n_core, nb):
     return mask.scatter_(-1, torch.where(pick, ids, nb), True)[..., :nb]
 
 
-def join_leaver(list_ids, list_E, c_sub, pos, cfg):
+def join_leaver(list_ids, list_E, scores, pos, cfg):
     """The eviction policy at a decode step, in place: at a block's first token (pos (Bz,)) the block
     n_win + 1 back leaves the window and competes with each row's list (join_core_list). Its E is
-    final: the sub-blocks that overlap it are complete (a check of config.Config).
-    list_ids, list_E (Bz, H_kv, n); c̃ (Bz, H_kv, M). Kernel: eviction_kernels.join_leaver."""
-    if use_kernels(c_sub):
-        return eviction_kernels.join_leaver(list_ids, list_E, c_sub, pos, cfg)
+    final: the sub-blocks that overlap it are complete (a check of config.Config), or, in nosa-hh,
+    the queries of its window have all attended. list_ids, list_E (Bz, H_kv, n); scores: c̃
+    (Bz, H_kv, M) or h (Bz, H_kv, nb) (block_score). Kernel: eviction_kernels.join_leaver."""
+    if use_kernels(scores):
+        return eviction_kernels.join_leaver(list_ids, list_E, scores, pos, cfg)
     b_new = pos // cfg.B - cfg.n_win - 1
     b_new = torch.where((pos % cfg.B == 0) & (b_new >= cfg.n_sink), b_new, -1)
     b_new = b_new[:, None].expand(-1, cfg.H_kv)
-    E_new = block_score(c_sub, b_new.clamp(min=0), cfg)
+    E_new = block_score(scores, b_new.clamp(min=0), cfg)
     ids, E = join_core_list(list_ids, list_E, b_new, E_new)
     list_ids.copy_(ids)
     list_E.copy_(E)
+
+
+# -----------------------------------------------------------------------------
+# nosa-hh: E from the attention a block got while it was in the window (docs/METHOD.md §5). The
+# window's blocks are forced, so what its queries pay them depends on no selection; it is final
+# when the block leaves the window, the moment it becomes a candidate, so the theorem holds as for
+# c. h[b] = the mean over the n_win·B queries of blocks b+1 .. b+n_win of the share of their
+# attention over F(t) (sinks, window, own block; with the bias) that falls on block b.
+
+
+HH_PASS = (
+    2**24
+)  # logits a pass of heavy_hitters computes at most (memory.prefill_bytes counts them)
+
+
+def window_attention(q, keys, key_pos, bias, q_pos, cfg):
+    """What each query attends to within its forced blocks F(t): the softmax of q·k/√d + bias over
+    the keys in F(t) and not after t, averaged over the G query heads of each KV head.
+    q (..., G, n, d) at positions q_pos (..., n); keys (..., m, d) at key_pos (..., m) (-1: none);
+    bias (..., m) or None -> (..., n, m)."""
+    d = q.shape[-1]
+    s = fp32(q) @ fp32(keys).unsqueeze(-3).transpose(-1, -2) / math.sqrt(d)  # (..., G, n, m)
+    if bias is not None:
+        s = s + fp32(bias)[..., None, None, :]
+    kb, qb = (key_pos // cfg.B)[..., None, :], (q_pos // cfg.B)[..., :, None]
+    ok = (key_pos[..., None, :] >= 0) & (key_pos[..., None, :] <= q_pos[..., :, None])
+    ok &= (kb < cfg.n_sink) | (kb >= qb - cfg.n_win)  # (..., n, m)
+    p = torch.softmax(s.masked_fill(~ok[..., None, :, :], float("-inf")), -1)
+    return torch.where(ok[..., None, :, :], p, 0.0).mean(-3)  # (a query with no key: 0, not NaN)
+
+
+def add_heavy_hitters(h, p, key_pos, q_pos, cfg):
+    """h (..., nb) += what the queries pay the blocks of their window before their own (blocks
+    q_t - n_win .. q_t - 1), over n_win·B: p (..., n, m) by window_attention, keys at key_pos (..., m),
+    queries at q_pos (..., n) (-1: none)."""
+    kb, qb = key_pos // cfg.B, (q_pos // cfg.B)[..., None]
+    win = (key_pos[..., None, :] >= 0) & (q_pos[..., None] >= 0)
+    win &= (kb[..., None, :] < qb) & (kb[..., None, :] >= qb - cfg.n_win)  # (..., n, m)
+    w = torch.where(win, p, 0.0).sum(-2) / (cfg.n_win * cfg.B)  # (..., m)
+    idx = kb.clamp(0, h.shape[-1] - 1).expand_as(w)
+    h.scatter_add_(-1, idx, w.to(h.dtype))
+
+
+@torch.no_grad()
+def heavy_hitters(q, k, c, cfg, start=0, h=None):
+    """The parallel forward's h: what the queries at start .. S-1 add to it (all of it when start =
+    0), a few query blocks at a time. q (Bz, H_q, T, d) at positions start.., k (Bz, H_kv, S, d),
+    c (Bz, H_kv, S) the bias; h (Bz, H_kv, nb) to add to (the earlier chunks' of a prefill), or None.
+    Returns h, final for every block that has left the window of the last query's block."""
+    Bz, H_q, T, d = q.shape
+    H_kv, S, B, dev = k.shape[1], k.shape[2], cfg.B, q.device
+    nb = cfg.n_blocks(S)
+    h = torch.zeros(Bz, H_kv, nb, dtype=fp32(q).dtype, device=dev) if h is None else h
+    qg = q.view(Bz, H_kv, H_q // H_kv, T, d)
+    n_kb = cfg.n_sink + cfg.n_win + 1  # key blocks of a query block: F(t)
+    step = max(1, HH_PASS // (Bz * H_q * B * n_kb * B))  # query blocks a pass
+    col = torch.arange(n_kb, device=dev)
+    for b0 in range(start // B, (S - 1) // B + 1, step):
+        qb = torch.arange(b0, min(b0 + step, (S - 1) // B + 1), device=dev)  # (nq,)
+        kb = torch.where(col < cfg.n_sink, col, qb[:, None] - cfg.n_win - cfg.n_sink + col)
+        kb = torch.where((kb >= 0) & ((col < cfg.n_sink) | (kb >= cfg.n_sink)), kb, -1)
+        key_pos = (kb[..., None] * B + torch.arange(B, device=dev)).flatten(1)  # (nq, m)
+        key_pos = torch.where((kb.repeat_interleave(B, 1) >= 0) & (key_pos < S), key_pos, -1)
+        q_pos = qb[:, None] * B + torch.arange(B, device=dev)  # (nq, B)
+        q_pos = torch.where((q_pos >= start) & (q_pos < S), q_pos, -1)
+        qi = (q_pos - start).clamp(0, T - 1).flatten()
+        qs = qg[:, :, :, qi].unflatten(3, q_pos.shape).transpose(2, 3)  # (Bz, H_kv, nq, G, B, d)
+        keys = k[:, :, key_pos.clamp(min=0)]  # (Bz, H_kv, nq, m, d)
+        bias = None if c is None else attention_bias(c, cfg.attn)[:, :, key_pos.clamp(min=0)]
+        p = window_attention(qs, keys, key_pos, bias, q_pos, cfg)  # (Bz, H_kv, nq, B, m)
+        part = torch.zeros(Bz, H_kv, qb.numel(), nb, dtype=h.dtype, device=dev)
+        add_heavy_hitters(part, p, key_pos, q_pos, cfg)
+        h += part.sum(2)
+    return h
+
+
+# -----------------------------------------------------------------------------
+# Teaching the head: this project's addition to the paper's recipe (docs/METHOD.md §8). The bias is
+# the only path by which the language-model loss reaches A and W_δ, and nothing in it asks E to rank
+# blocks by the attention they will get; a distillation loss asks that directly.
+
+
+@torch.no_grad()
+def attention_by_block(q, k, t, cfg, bias=None):
+    """The teacher: what the queries at positions t attend to, block by block. The dense softmax of
+    q·k/√d (+ bias) over every causal key, averaged over each KV head's G query heads and summed
+    over each block's tokens. q (Bz, H_q, n, d), t (n,) their positions, k (Bz, H_kv, S, d),
+    bias (Bz, H_kv, S) or None -> (Bz, H_kv, n, nb); each row sums to 1."""
+    Bz, H_q, n, d = q.shape
+    H_kv, S = k.shape[1], k.shape[2]
+    qg = fp32(q).view(Bz, H_kv, H_q // H_kv, n, d)
+    s = torch.einsum("bhgnd,bhsd->bhgns", qg, fp32(k)) / math.sqrt(d)  # (Bz, H_kv, G, n, S)
+    if bias is not None:
+        s = s + fp32(bias)[:, :, None, None, :]
+    s = s.masked_fill(torch.arange(S, device=q.device) > t[:, None], float("-inf"))
+    p = torch.softmax(s, -1).mean(2)  # (Bz, H_kv, n, S)
+    nb = cfg.n_blocks(S)
+    return F.pad(p, (0, nb * cfg.B - S)).view(Bz, H_kv, n, nb, cfg.B).sum(-1)
+
+
+def distillation_loss(c, mass, t, cfg, tau):
+    """KL(teacher ‖ student) over each query's candidate blocks C(t) (causal, neither sink nor
+    window: those the core chooses among), averaged over the queries, KV heads and sequences.
+    teacher: the attention mass the query puts on each candidate (attention_by_block), renormalised
+    over C(t); student: the softmax over C(t) of E / tau, E the block scores of c. E is fixed per
+    block, so the best it can do is to rank blocks by the attention later queries pay them.
+    c (Bz, H_kv, S) with its gradient; mass (Bz, H_kv, n, nb); t (n,) positions past k·B."""
+    nb = mass.shape[-1]
+    E = eviction_block_scores(pooling.pool_mean(c, cfg), nb, cfg)  # (Bz, H_kv, nb)
+    b = torch.arange(nb, device=c.device)
+    cand = (b >= cfg.n_sink) & (b < (t // cfg.B)[:, None] - cfg.n_win)  # (n, nb)
+    target = torch.where(cand, mass, 0.0)
+    target = target / target.sum(-1, keepdim=True).clamp(min=1e-30)
+    log_student = torch.log_softmax((E[:, :, None] / tau).masked_fill(~cand, float("-inf")), -1)
+    kl = target * (torch.log(target.clamp(min=1e-30)) - log_student)
+    return torch.where(target > 0, kl, 0.0).sum(-1).mean()

@@ -29,7 +29,8 @@ def _join(ids, E, b_new, E_new, e, on):
 @triton.jit
 def _block_score(CS, r, M, b, i, R_SUB: tl.constexpr, P_OVER: tl.constexpr):
     """eviction.block_score: the max of c̃ (row r, M sub-blocks) over the sub-blocks that overlap
-    block b; i = arange(RPP). b (NJ,) -> (NJ,), or a scalar."""
+    block b (or, with R_SUB = 1 and P_OVER = 0, h's entry of block b); i = arange(RPP).
+    b (NJ,) -> (NJ,), or a scalar."""
     m = b[:, None] * R_SUB - P_OVER + i[None, :]
     ok = (i < R_SUB + P_OVER)[None, :] & (m >= 0) & (m < M)
     return tl.max(tl.load(CS + r * M + m, mask=ok, other=float("-inf")), 1)
@@ -81,7 +82,7 @@ def block_lists(c_sub, first, last, cfg, carry):
     """eviction.block_lists (same arguments and result)."""
     ids, E, b0 = carry
     Bz, H_kv, n = ids.shape
-    r, p = cfg.r, cfg.p
+    r, p = cfg.E_layout
     lists = torch.empty(Bz, H_kv, last - first + 1, n, dtype=ids.dtype, device=ids.device)
     out = torch.empty_like(ids), torch.empty_like(E)
     _block_lists_kernel[(Bz * H_kv,)](
@@ -142,7 +143,7 @@ def _join_leaver_kernel(
 def join_leaver(list_ids, list_E, c_sub, pos, cfg):
     """eviction.join_leaver (same arguments), one program per row."""
     Bz, H_kv, n = list_ids.shape
-    r, p = cfg.r, cfg.p
+    r, p = cfg.E_layout
     _join_leaver_kernel[(Bz * H_kv,)](
         list_ids,
         list_E,

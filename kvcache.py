@@ -117,11 +117,13 @@ class SubBlockCache:
     """Per layer, the pooled state selection reads: K̃ (Bz, H_kv, M, d) and c̃ (Bz, H_kv, M), the
     rings of the last l_c keys and scores they are pooled from, and each row's E-list: its best
     n_list = n_core + k_q - 1 candidates by E (list_ids, their scores list_E), best first, all a
-    decode step needs of E. Stored here only: nosa.update_pooled changes it a token at a time, and
-    a prompt's is written whole (prefill). Both caches use it."""
+    decode step needs of E; in nosa-hh also h (Bz, H_kv, nb), what each block got of the attention
+    of its window's queries (eviction.py), the E-list's source there. Stored here only:
+    nosa.update_pooled changes it a token at a time, and a prompt's is written whole (prefill). Both
+    caches use it."""
 
     # one tensor per layer, a row per sequence
-    BUFFERS = ("ring_k", "ring_c", "K_sub", "c_sub", "list_ids", "list_E")
+    BUFFERS = ("ring_k", "ring_c", "K_sub", "c_sub", "list_ids", "list_E", "h")
 
     def __init__(self, cfg, Bz, device, dtype, max_len=0):
         self.cfg = cfg
@@ -137,6 +139,10 @@ class SubBlockCache:
         ]
         self.list_ids = new(-1, torch.long) if n else None
         self.list_E = new(float("-inf"), cdt) if n else None
+        nb = cfg.n_blocks(max_len)
+        self.h = None
+        if cfg.heavy_hitters:
+            self.h = [torch.zeros(Bz, H, nb, device=device, dtype=cdt) for _ in range(L)]
 
     def rows(self, a, b):
         """The caches of sequences a..b-1 (views; see offload.OffloadCache.split)."""
@@ -147,17 +153,19 @@ class SubBlockCache:
         return part
 
     def reserve(self, layer, T):
-        """Room for the sub-blocks of T tokens in K̃ and c̃."""
+        """Room for the sub-blocks of T tokens in K̃ and c̃ (and its blocks in h)."""
         M = self.cfg.n_subblocks(T)
         self.K_sub[layer] = grow(self.K_sub[layer], M, 2)
         self.c_sub[layer] = grow(self.c_sub[layer], M, 2)
+        if self.h:
+            self.h[layer] = grow(self.h[layer], self.cfg.n_blocks(T), 2)
 
     def prefill(self, layer, seq, k, c, pooled, put):
         """k (H_kv, T, d), c (H_kv, T) or None: one whole sequence, and pooled its (K̃, c̃, E-list
-        (ids, scores)) (prefill.PromptLayer.pooled, or nosa.pooled_prompt). put: how the rings and
+        (ids, scores), h) (prefill.PromptLayer.pooled, or nosa.pooled_prompt). put: how the rings and
         the list are written (Cache)."""
         cfg, T = self.cfg, k.shape[1]
-        K_sub, c_sub, e_list = pooled  # (H_kv, M, d), (H_kv, M), (H_kv, n) twice
+        K_sub, c_sub, e_list, h = pooled  # (H_kv, M, d), (H_kv, M), (H_kv, n) twice, (H_kv, nb)
         M = K_sub.shape[1]
         self.reserve(layer, T)
         self.K_sub[layer][seq, :, :M] = K_sub
@@ -167,6 +175,9 @@ class SubBlockCache:
         if c is not None:
             self.c_sub[layer][seq, :, :M] = c_sub
             put(self.ring_c[layer], ring, c[:, tail])
+        if self.h:  # the row's whole h: what a sequence before left beyond the prompt goes
+            self.h[layer][seq] = 0
+            self.h[layer][seq, :, : h.shape[1]] = h
         if self.list_ids:  # as of the last prompt token: the next step adds what leaves the window
             put(self.list_ids[layer], seq, e_list[0])
             put(self.list_E[layer], seq, e_list[1])

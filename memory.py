@@ -15,6 +15,7 @@ import math
 
 import torch
 
+import eviction
 import nosa_kernels
 
 
@@ -23,7 +24,7 @@ def cache_bytes(cfg, Bz, max_len, dtype, offload=True):
     k + 1 slots of K and V per (sequence, layer, KV head) on the GPU and every block in host memory;
     without, all of K and V on the GPU (kvcache.KVCache). Besides, on the GPU, what the mode needs:
     the eviction scores c (fp32; nosa, dma) and the pooled caches K̃, c̃ (sparse modes); full attention
-    needs neither. The weights are not counted."""
+    needs neither; nosa-hh its h. The weights are not counted."""
     L, H, B, d, k = cfg.n_layer, cfg.H_kv, cfg.B, cfg.head_dim, cfg.k
     elt = torch.empty((), dtype=dtype).element_size()
     unit = 2 * B * d * elt  # one block of K and V
@@ -34,6 +35,7 @@ def cache_bytes(cfg, Bz, max_len, dtype, offload=True):
         * (
             (max_len * 4 if cfg.eviction_head else 0)
             + ((max_len // cfg.s_c + 1) * (d * elt + 4) if cfg.sparse else 0)
+            + ((max_len // B + 1) * 4 if cfg.heavy_hitters else 0)  # h
         )
     )
     if not offload:
@@ -114,6 +116,8 @@ def prefill_bytes(cfg, T, C, dtype, stream_on_host=False):
     # the scores Q and their parts, fp32
     select = min(C, nosa_kernels.select_rows(nb)) * H * nb * 20 if cfg.sparse else 0
     peak = max(16 * H_q * d, 4 * cfg.hidden_dim * elt + dim * (8 + 2 * elt)) * C
+    if cfg.heavy_hitters:  # a pass of eviction.heavy_hitters: logits, probabilities, masks
+        peak = max(peak, 16 * eviction.HH_PASS)
     # the next chunk of the stream, on its way (prefill.ResidualStream)
     ahead = C * dim * elt if stream_on_host else 0
     return whole + C * live + ahead + max(select, peak) + 2**27  # and 128 MiB for workspaces
@@ -133,6 +137,7 @@ def decode_bytes(cfg, Bz, max_len, dtype):
         + cfg.vocab_size * 8
         + 4 * cfg.hidden_dim * elt
         + 8 * cfg.dim * 4
+        + (cfg.H_q * (cfg.k + 1) * cfg.B * 16 if cfg.heavy_hitters else 0)  # the window's attention
     )
     return 2**29 + 2 * Bz * per_seq
 

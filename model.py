@@ -133,7 +133,7 @@ class Attention(nn.Module):
             o = nosa.nosa_decode(q, k, v, c, self.layer, cache, self.cfg)
         elif prompt is not None:
             start = prompt.len
-            k, v, c, selects_from = prompt.write(k, v, c)  # the prompt's keys so far
+            k, v, c, selects_from = prompt.write(k, v, c, q)  # the prompt's keys so far
             o, _ = nosa.nosa_attention(q, k, v, c, self.cfg, start, selects_from)
         else:
             o, _ = nosa.nosa_attention(q, k, v, c, self.cfg)

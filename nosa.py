@@ -110,13 +110,13 @@ def query_lists(lists, q_pos, first, cfg):
     return lists.gather(2, i.expand(*lists.shape[:2], -1, lists.shape[-1]))
 
 
-def core_lists(c_sub, q_pos, cfg):
-    """Each query's list of its best n_core + k_q - 1 candidates by E: c̃ (Bz, H_kv, M), q_pos (Bz, T)
-    -> (Bz, H_kv, T, n)."""
+def core_lists(scores, q_pos, cfg):
+    """Each query's list of its best n_core + k_q - 1 candidates by E: scores c̃ (Bz, H_kv, M), or
+    h (Bz, H_kv, nb) in nosa-hh; q_pos (Bz, T) -> (Bz, H_kv, T, n)."""
     q_blk = q_pos // cfg.B
     first = int(q_blk.min())
     return query_lists(
-        eviction.block_lists(c_sub, first, int(q_blk.max()), cfg)[0], q_pos, first, cfg
+        eviction.block_lists(scores, first, int(q_blk.max()), cfg)[0], q_pos, first, cfg
     )
 
 
@@ -148,7 +148,8 @@ def select_tiles(q, K_sub, lists, q_pos, nb, cfg, first):
 def nosa_attention(q, k, v, c, cfg, start=0, selects_from=None):
     """One attention layer for the queries at positions start .. start+T-1 over the keys 0 .. S-1,
     S = start + T: the training forward (start = 0, the whole sequence) and one chunk of a prefill
-    (prefill.py), which selects and attends exactly as the whole forward would.
+    (prefill.py), which selects and attends exactly as the whole forward would (it keeps what
+    selection reads of the earlier chunks: selects_from).
 
     q: (Bz, H_q, T, d), k, v: (Bz, H_kv, S, d) with RoPE applied, c: (Bz, H_kv, S) eviction scores
     (None in `full` and `infllmv2` modes). selects_from: (K̃, lists) where the caller keeps them (a
@@ -167,8 +168,10 @@ def nosa_attention(q, k, v, c, cfg, start=0, selects_from=None):
         if selects_from is None:  # K̃, and each query block's list of its best candidates by E
             lists = None
             if c is not None and cfg.n_core > 0:
-                c_sub = pooling.pool_mean(c, cfg)
-                lists = eviction.block_lists(c_sub, first, (S - 1) // cfg.B, cfg)[0]
+                scores = pooling.pool_mean(c, cfg)  # c̃; nosa-hh: h, from every query (start = 0)
+                if cfg.heavy_hitters:
+                    scores = eviction.heavy_hitters(q, k, c, cfg)
+                lists = eviction.block_lists(scores, first, (S - 1) // cfg.B, cfg)[0]
             selects_from = pooling.compress_keys(k, cfg), lists
         K_sub, lists = selects_from
         if kernels:
@@ -216,10 +219,48 @@ def nosa_decode(q, k, v, c, layer, cache, cfg):
             o = attention.sparse_decode(q, kv.k, kv.v, bias, block_mask, pos, cfg)
         else:
             o = attention.dense_decode(q, kv.k, kv.v, pos, cfg)
+    # nosa-hh: what the query paid the blocks of its window joins their h (final as they leave it)
+    if cfg.heavy_hitters:
+        with record_function("selection"):
+            keys, key_pos, key_bias = window_keys(kv, bias, pos, cfg)
+            G, d = cfg.G, q.shape[-1]
+            at = pos[:, None, None]  # (Bz, 1, 1): one query a row
+            p = eviction.window_attention(
+                q.view(-1, cfg.H_kv, G, 1, d), keys, key_pos, key_bias, at, cfg
+            )
+            eviction.add_heavy_hitters(cache.sub.h[layer], p, key_pos, at, cfg)
     # 6. a tail block the token filled goes to its place (the host store)
     with record_function(moves):
         cache.flush(layer)
     return o
+
+
+def window_keys(kv, bias, pos, cfg):
+    """The keys a decode step's window attention reads, as kvcache.Blocks holds them: the forced blocks
+    of each row's query (sinks, window, own block) of the cached keys, or the whole slot pool (the
+    forced blocks are always resident). kv: the step's Blocks; bias (Bz, H_kv, S) or None; pos (Bz,)
+    -> keys (Bz, H_kv, m, d), their positions (Bz, 1 or H_kv, m) (-1: none) and bias (Bz, H_kv, m)."""
+    B = cfg.B
+    Bz, dev = pos.shape[0], pos.device
+    tok = torch.arange(B, device=dev)
+    if kv.slots is None:  # the cached keys (Bz, H_kv, S, d)
+        col = torch.arange(cfg.n_sink + cfg.n_win + 1, device=dev)
+        kb = torch.where(col < cfg.n_sink, col, (pos // B)[:, None] - cfg.n_win - cfg.n_sink + col)
+        kb = torch.where((kb >= 0) & ((col < cfg.n_sink) | (kb >= cfg.n_sink)), kb, -1)
+        key_pos = (kb[..., None] * B + tok).flatten(1)  # (Bz, m)
+        S = kv.k.shape[2]
+        key_pos = torch.where((kb.repeat_interleave(B, 1) >= 0) & (key_pos < S), key_pos, -1)
+        at = key_pos.clamp(min=0)[:, None].expand(-1, cfg.H_kv, -1)  # (Bz, H_kv, m)
+        keys = kv.k.gather(2, at[..., None].expand(-1, -1, -1, kv.k.shape[-1]))
+        key_pos = key_pos[:, None]
+    else:  # the slot pool (R, k + 1, 2, B, d), slot k the tail (the own block)
+        blk = torch.cat([kv.slots, (pos // B).repeat_interleave(cfg.H_kv)[:, None]], 1)
+        key_pos = torch.where(blk[..., None] >= 0, blk[..., None] * B + tok, -1)
+        key_pos = key_pos.view(Bz, cfg.H_kv, -1)  # (Bz, H_kv, (k + 1) B)
+        keys = kv.k[:, :, 0].reshape(Bz, cfg.H_kv, -1, kv.k.shape[-1])
+        at = key_pos.clamp(min=0)
+    key_bias = None if bias is None else bias.gather(2, at.clamp(max=bias.shape[2] - 1))
+    return keys, key_pos, key_bias
 
 
 def update_pooled(sub, layer, k, c, pos, cfg):
@@ -231,21 +272,22 @@ def update_pooled(sub, layer, k, c, pos, cfg):
         x[layer] for x in (sub.ring_k, sub.ring_c, sub.K_sub, sub.c_sub)
     )
     pooling.append_subblocks(ring_k, ring_c, K_sub, c_sub, k, c, pos, cfg)
-    if sub.list_ids:
-        eviction.join_leaver(sub.list_ids[layer], sub.list_E[layer], c_sub, pos, cfg)
+    if sub.list_ids:  # E from c̃, or in nosa-hh from h
+        scores = sub.h[layer] if cfg.heavy_hitters else c_sub
+        eviction.join_leaver(sub.list_ids[layer], sub.list_E[layer], scores, pos, cfg)
 
 
-def pooled_prompt(k, c, cfg):
+def pooled_prompt(k, c, cfg, h=None):
     """What a decode cache keeps of a whole prompt's keys (kvcache.SubBlockCache.prefill), made at
-    once (prefill.PromptLayer makes it a chunk at a time): k (H_kv, T, d), c (H_kv, T) or None ->
-    K̃ (H_kv, M, d), c̃ (H_kv, M) or None, and the E-list as of the last token (ids, scores)
-    (H_kv, n_list) or None."""
+    once (prefill.PromptLayer makes it a chunk at a time): k (H_kv, T, d), c (H_kv, T) or None, and
+    in nosa-hh its h (H_kv, nb) (eviction.heavy_hitters: it needs the queries) -> K̃ (H_kv, M, d),
+    c̃ (H_kv, M) or None, the E-list as of the last token (ids, scores) (H_kv, n_list) or None, and h."""
     T = k.shape[1]
     K_sub, c_sub = pooling.compress_keys(k, cfg), None if c is None else pooling.pool_mean(c, cfg)
     if not cfg.n_list:
-        return K_sub, c_sub, None
+        return K_sub, c_sub, None, h
     nb = cfg.n_blocks(T)
     b = torch.arange(nb, device=k.device)
     cand = (b >= cfg.n_sink) & (b < (T - 1) // cfg.B - cfg.n_win)  # left the window
-    E = eviction.eviction_block_scores(c_sub, nb, cfg)  # (H_kv, nb)
-    return K_sub, c_sub, eviction.core_list(E, cand.expand_as(E), cfg.n_list)
+    E = h if cfg.heavy_hitters else eviction.eviction_block_scores(c_sub, nb, cfg)  # (H_kv, nb)
+    return K_sub, c_sub, eviction.core_list(E, cand.expand_as(E), cfg.n_list), h

@@ -54,8 +54,8 @@ def prefill_chunks(model, idx, cache, seq, chunk=None, progress=None, stream_on_
             if more or s + h.shape[1] == T:
                 x.write(s, layer(h, rope, prompt=prompt))
             else:  # the last layer, before the last chunk: only its keys are used
-                _, k, v, c = layer.self_attn.qkvc(layer.input_layernorm(h), rope)
-                prompt.write(k, v, c)
+                q, k, v, c = layer.self_attn.qkvc(layer.input_layernorm(h), rope)
+                prompt.write(k, v, c, q)  # (nosa-hh: its queries' attention to their windows)
             yield None
         c = None if prompt.c is None else prompt.c[0]
         cache.prefill(i, seq, prompt.k[0], prompt.v[0], c, prompt.pooled() if cfg.sparse else None)
@@ -82,15 +82,20 @@ class PromptLayer:
         self.c_sub = (
             torch.empty(1, H, M, device=device, dtype=cdt) if cfg.sparse and with_c else None
         )
+        self.h = torch.empty(1, H, cfg.n_blocks(T), device=device, dtype=cdt)
+        self.h = self.h if cfg.heavy_hitters else None
         self.rewind()
 
     def rewind(self):  # a new layer
         self.len, self.carry = 0, None  # carry: the list of the last query block (block_lists)
+        if self.h is not None:
+            self.h.zero_()
 
-    def write(self, k, v, c):
-        """A chunk's k, v (1, H_kv, C, d) and c (1, H_kv, C) or None at positions len .. e-1 ->
-        the keys so far: k, v, c of positions 0 .. e-1 (views), and what nosa.nosa_attention selects
-        from (its `selects_from`): K̃ and the lists of the chunk's query blocks (None without E-picks)."""
+    def write(self, k, v, c, q=None):
+        """A chunk's k, v (1, H_kv, C, d) and c (1, H_kv, C) or None at positions len .. e-1 (and its
+        queries q (1, H_q, C, d), which nosa-hh's h needs) -> the keys so far: k, v, c of positions
+        0 .. e-1 (views), and what nosa.nosa_attention selects from (its `selects_from`): K̃ and the
+        lists of the chunk's query blocks (None without E-picks)."""
         cfg, start = self.cfg, self.len
         e = self.len = start + k.shape[2]
         self.k[:, :, start:e], self.v[:, :, start:e] = k, v
@@ -107,8 +112,12 @@ class PromptLayer:
                 self.c_sub[:, :, m0:m1] = pooling.pool_mean(self.c[:, :, t0:e], cfg)
         lists = None
         if c is not None and cfg.n_core > 0:
+            scores = self.c_sub[:, :, :m1]
+            if cfg.heavy_hitters:  # what the chunk's queries pay their windows, before its lists
+                scores = self.h[:, :, : cfg.n_blocks(e)]
+                eviction.heavy_hitters(q, self.k[:, :, :e], self.c[:, :, :e], cfg, start, scores)
             lists, self.carry = eviction.block_lists(
-                self.c_sub[:, :, :m1], start // cfg.B, (e - 1) // cfg.B, cfg, self.carry
+                scores, start // cfg.B, (e - 1) // cfg.B, cfg, self.carry
             )
         return (
             self.k[:, :, :e],
@@ -119,9 +128,11 @@ class PromptLayer:
 
     def pooled(self):
         """What the decode cache keeps of the whole prompt (kvcache.SubBlockCache.prefill): K̃ (H_kv, M, d),
-        c̃ (H_kv, M) and the list of the last query block (ids, E) (H_kv, n), or None where the mode has none."""
+        c̃ (H_kv, M), the list of the last query block (ids, E) (H_kv, n) and h (H_kv, nb), each
+        None where the mode has none."""
         e_list = None if self.carry is None else (self.carry[0][0], self.carry[1][0])
-        return self.K_sub[0], None if self.c_sub is None else self.c_sub[0], e_list
+        c_sub, h = (None if x is None else x[0] for x in (self.c_sub, self.h))
+        return self.K_sub[0], c_sub, e_list, h
 
 
 class ResidualStream:

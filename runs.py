@@ -170,6 +170,8 @@ def run_record(o, cfg, state, world, master, model_tok=None):
         tasks=o.tasks,
         answer_weight=o.answer_weight,
         fsdp=o.fsdp,
+        head_warmup=o.head_warmup,
+        head_distill=o.head_distill,
     )
     if state:  # continue exactly that run (older checkpoints lack some of these)
         flag = dict(

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 import checkpoint
 import common
 import config
+import distill
 import fsdp
 import runs
 from data import STDLIB_CORPUS, get_batch
@@ -52,6 +53,15 @@ def lr_at(step, steps, lr, warmup):
         return lr * (step + 1) / warmup
     frac = (step - warmup) / max(1, steps - warmup)
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+
+
+def stage_lr(step, o):
+    """The learning rate at a step: the warm-up of the head (--head-warmup) on a schedule of its own
+    (a tenth of it rising, then the cosine), then the language-model steps on theirs."""
+    n = o.head_warmup
+    if step < n:
+        return lr_at(step, n, o.lr, max(1, n // 10))
+    return lr_at(step - n, o.steps - n, o.lr, o.warmup)
 
 
 @torch.no_grad()
@@ -97,6 +107,8 @@ class Options:
     corpus: str = None
     answer_weight: float = 1.0
     fsdp: bool = False  # under torchrun: weights, gradients and optimizer state sharded (FSDP2)
+    head_warmup: int = 0  # the first N steps teach the eviction head alone (distill.py)
+    head_distill: float = 0.0  # after them, this times the head's distillation loss beside the LM's
 
     def check(self):
         """One line for a flag out of range, before any work."""
@@ -121,6 +133,23 @@ class Options:
                 raise ValueError(f"--{name.replace('_', '-')} {value}: must be at least {least}")
         if not self.lr > 0:
             raise ValueError(f"--lr {self.lr}: must be positive")
+        if not 0 <= self.head_warmup < self.steps:
+            raise ValueError(
+                f"--head-warmup {self.head_warmup}: the first steps of the run's --steps "
+                f"{self.steps}, from 0 to {self.steps - 1}"
+            )
+        if not (math.isfinite(self.head_distill) and self.head_distill >= 0):
+            raise ValueError(f"--head-distill {self.head_distill}: a weight of at least 0")
+        if (self.head_warmup or self.head_distill) and self.attn not in ("nosa", "dma"):
+            raise ValueError(
+                f"--head-warmup and --head-distill teach the eviction head, which --attn "
+                f"{self.attn} lacks: use --attn nosa (or dma)"
+            )
+        if self.head_warmup and self.fsdp:
+            raise ValueError(
+                "--head-warmup with --fsdp: a warm-up step's forward runs without gradient, "
+                "which sharded parameters cannot learn from; warm the head up without --fsdp"
+            )
         if not 0 <= self.tasks <= 1:
             raise ValueError(
                 f"--tasks {self.tasks}: a fraction of the training windows, from 0 to 1"
@@ -192,6 +221,9 @@ def main(**flags):
     if o.resume:
         step = runs.resume(model, opt, state, o, device, master)
     raw = model
+    teacher = distill.Teacher(raw) if o.head_warmup or o.head_distill else None
+    if o.head_warmup and step == 0:
+        distill.start_head(raw)
     if world > 1 and not o.fsdp:
         ids = [device.index] if device.type == "cuda" else None
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
@@ -202,7 +234,7 @@ def main(**flags):
             f"{run['corpus']}) | {o.steps} steps x {o.batch_size * world} x {o.seq_len} tokens "
             f"| {device} | checkpoints to {o.out}"
         )
-    job = Job(device, rank, world, model, raw, opt, evict, tok, train_data, val_data, run)
+    job = Job(device, rank, world, model, raw, opt, evict, tok, train_data, val_data, run, teacher)
     step, val_loss = train_steps(o, job, step)
     if master and step == o.steps:
         print(f"done: generate with `python generate.py --checkpoint {o.out}`")
@@ -251,7 +283,7 @@ class Job:
     """One process's part of a run, made by main and passed whole: where it runs (device, rank of
     world), the model (model: the DDP wrapper where several processes train, raw: the module), its
     optimizer and whether it trains an eviction head (evict), the tokenizer and the token streams,
-    and the run's record (runs.run_record)."""
+    the run's record (runs.run_record), and what teaches the head (distill.Teacher) if anything."""
 
     device: torch.device
     rank: int
@@ -264,6 +296,7 @@ class Job:
     train_data: object
     val_data: object
     run: dict
+    teacher: distill.Teacher = None
 
 
 def train_steps(o, job, step):
@@ -279,8 +312,9 @@ def train_steps(o, job, step):
     saved = step if o.resume else None  # the step of the last checkpoint on disk
     try:
         while step < stop_at:
+            warm = step < o.head_warmup  # the head alone, by distillation
             for g in opt.param_groups:
-                g["lr"] = lr_at(step, o.steps, o.lr, o.warmup) * g.get("lr_mult", 1.0)
+                g["lr"] = stage_lr(step, o) * g.get("lr_mult", 1.0)
             x, y, w = get_batch(
                 job.train_data,
                 o.batch_size,
@@ -293,11 +327,25 @@ def train_steps(o, job, step):
                 job.tok,
                 o.answer_weight,
             )
+            if job.teacher:
+                job.teacher.queries(o.seq_len, o.seed, step, job.rank, device)
             with torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"):
-                logits = model(x)
-            loss = lm_loss(logits, y, w)
+                if warm:  # the forward only feeds the teacher's hooks
+                    with torch.no_grad():
+                        raw(x)
+                else:
+                    logits = model(x)
+            head_loss = job.teacher.loss() if job.teacher else None
+            if warm:
+                loss = head_loss
+            else:
+                loss = lm_loss(logits, y, w)
+                if o.head_distill:
+                    loss = loss + o.head_distill * head_loss
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            if warm:
+                distill.average_gradients(raw, world)
             torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
             opt.step()
             step += 1
@@ -305,10 +353,13 @@ def train_steps(o, job, step):
                 tps = (step - logged) * o.batch_size * world * o.seq_len / (time.time() - t_last)
                 t_last, logged = time.time(), step
                 left = (time.time() - t0) / (step - start) * (o.steps - step)
+                what = "head distillation loss" if warm else "loss"
+                head = (
+                    f" | head {head_loss.item():.4f}" if head_loss is not None and not warm else ""
+                )
                 print(
-                    f"step {step}/{o.steps} | loss {loss.item():.3f} | lr "
-                    f"{lr_at(step, o.steps, o.lr, o.warmup):.2e} | {tps:.0f} tokens/s | "
-                    f"{left / 60:.1f} min left",
+                    f"step {step}/{o.steps} | {what} {loss.item():.3f}{head} | lr "
+                    f"{stage_lr(step, o):.2e} | {tps:.0f} tokens/s | {left / 60:.1f} min left",
                     flush=True,
                 )
             if (master or o.fsdp) and (step % o.eval_every == 0 or step == stop_at):
@@ -415,6 +466,20 @@ def cli(argv=None):
         help="under torchrun: shard the weights, gradients and optimizer state over the processes "
         "(FSDP2, a block a unit; bf16 compute and fp32 reductions on GPUs); the checkpoint is "
         "saved gathered",
+    )
+    p.add_argument(
+        "--head-warmup",
+        type=int,
+        metavar="N",
+        help="the first N of --steps teach the eviction head alone, by distillation from the "
+        "model's own dense attention (docs/METHOD.md §8), the rest of the model frozen",
+    )
+    p.add_argument(
+        "--head-distill",
+        type=float,
+        metavar="W",
+        help="after the warm-up, W times the head's distillation loss beside the language-model "
+        "loss (default 0: the paper's recipe)",
     )
     p.add_argument(
         "--corpus",

@@ -28,10 +28,12 @@ SPARSITY = ("B", "l_c", "s_c", "n_sink", "n_win", "k", "k_q")
 def systems(dense, full, infllmv2, nosa):
     """(name, checkpoint, config overrides, whether the eviction head is turned off): each model
     with its own attention, the dense ones also training-free as InfLLMv2 at the NOSA model's
-    sparsity, and NOSA with A = 0 (its bias gone and E flat: the core is the most recent blocks)."""
+    sparsity, and NOSA with A = 0 (its bias gone and E flat: the core is the most recent blocks);
+    then, where they were trained, NOSA with the head's warm-up (DIR-nosa-warm, train.py
+    --head-warmup) and nosa-hh (DIR-nosa-hh)."""
     sparse = checkpoint.read_config(nosa)[1]
     as_infllmv2 = dict(attn="infllmv2", **{f: getattr(sparse, f) for f in SPARSITY})
-    return [
+    out = [
         ("full, imported", dense, {}, False),
         ("infllmv2 training-free, imported", dense, as_infllmv2, False),
         ("full, continued", full, {}, False),
@@ -40,6 +42,83 @@ def systems(dense, full, infllmv2, nosa):
         ("nosa, trained", nosa, {}, False),
         ("nosa, trained, A = 0", nosa, {}, True),
     ]
+    warm, hh = f"{nosa}-warm", f"{dense}-nosa-hh"
+    if checkpoint.is_checkpoint(warm):
+        out += [
+            ("nosa + warm-up, trained", warm, {}, False),
+            ("nosa + warm-up, A = 0", warm, {}, True),
+        ]
+    if checkpoint.is_checkpoint(hh):
+        out.append(("nosa-hh, trained", hh, {}, False))
+    return out
+
+
+def captured(dense, full, systems_, windows=4, T=8192):
+    """The share of the control's attention each trained selection holds (bench eviction, the
+    control's dense attention as the measure, 8K windows), and the control read at the NOSA models'
+    sparsity for the rules' bounds (recency, heavy hitter, oracle)."""
+    from bench.eviction import bench_eviction
+
+    sparse = checkpoint.read_config(f"{dense}-nosa")[1]
+    sets = {f: getattr(sparse, f) for f in SPARSITY}
+    rows = []
+    for r in bench_eviction(full, None, windows, T, **sets):
+        if r["E by"] in ("recency", "random", "heavy hitter", "oracle", "nosa-hh"):
+            rows.append(dict(system=f"control, core by {r['E by']}", **strip(r)))
+    row_of = {"infllmv2": "InfLLMv2 (no core)", "nosa": "learned", "nosa-hh": "nosa-hh"}
+    for name, path, _, head_off in systems_:
+        attn = checkpoint.read_config(path)[1].attn
+        if "trained" not in name or head_off or attn not in row_of:
+            continue
+        for r in bench_eviction(path, full, windows, T):
+            if r["E by"] == row_of[attn]:
+                rows.append(dict(system=name, **strip(r)))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def strip(r):
+    return {k: v for k, v in r.items() if k not in ("E by", "layers")}
+
+
+@torch.no_grad()
+def long_generation(control, systems_, val, dev, n=8, prompt=2048, new=2048):
+    """The paper's long-generation claim: n held-out prompts continued for `new` tokens by each
+    system (sampled, temperature 0.8, top-k 50, the same seed), scored by the control model: its
+    loss on the continuation, per half."""
+    from generate import generate
+    from kvcache import KVCache
+
+    starts = np.linspace(0, len(val) - prompt - 1, n).astype(int) + prompt // 7
+    prompts = [val[s : s + prompt].tolist() for s in starts % (len(val) - prompt - 1)]
+    judge = checkpoint.load(control, dev, torch.float32)[0].to(
+        torch.bfloat16 if dev == "cuda" else torch.float32
+    )
+    rows = []
+    for name, path, over, head_off in systems_:
+        if "imported" in name or head_off:
+            continue
+        model = checkpoint.load(path, dev, torch.float32, **over)[0].to(
+            judge.embed_tokens.weight.dtype
+        )
+        torch.manual_seed(0)
+        cache = KVCache(model.cfg, n, dev, judge.embed_tokens.weight.dtype, prompt + new)
+        outs = generate(model, prompts, new, 0.8, 50, cache=cache)
+        x = torch.tensor([p + o[:new] for p, o in zip(prompts, outs)], device=dev)
+        logits = judge(x[:, :-1])[:, prompt - 1 :].float()
+        nll = F.cross_entropy(logits.flatten(0, 1), x[:, prompt:].flatten(), reduction="none")
+        nll = nll.view(n, -1)
+        half = nll.shape[1] // 2
+        rows.append(
+            dict(
+                system=name,
+                control_loss_first_half=round(nll[:, :half].mean().item(), 4),
+                control_loss_second_half=round(nll[:, half:].mean().item(), 4),
+            )
+        )
+        print(rows[-1], flush=True)
+        del model, cache
+    return rows
 
 
 def held_out(path, data_dir, corpus):
@@ -141,6 +220,8 @@ def bench_pretrained(
     new_tokens=256,
     recall_lengths=(2048, 4096, 7800),
     recall_n=10,
+    captured_windows=4,
+    long=(8, 2048, 2048),
 ):
     from bench.recall import where_the_fact_is
     from generate import generate
@@ -232,4 +313,8 @@ def bench_pretrained(
     core += [
         dict(layer=i) | dict(zip(keys, np.round(r, 3).tolist())) for i, r in enumerate(per_layer)
     ]
-    return dict(loss=loss, offload=offload, recall=recall, fact_in_selection=where, core=core)
+    sys_ = systems(dense, full, infllmv2, nosa)
+    tables = dict(loss=loss, offload=offload, recall=recall, fact_in_selection=where, core=core)
+    tables["captured"] = captured(dense, full, sys_, captured_windows, T)
+    tables["long_generation"] = long_generation(full, sys_, val, dev, *long)
+    return tables

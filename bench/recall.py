@@ -89,7 +89,9 @@ def where_the_fact_is(model, ids, t, b_fact):
         pick_q = eviction.top_desc(Q, cand, cfg.k_q_free)  # (1, H_kv, nb)
         pick_e = torch.zeros_like(pick_q)
         if c is not None and cfg.n_core > 0:
-            ids_e = nosa.core_lists(pooling.pool_mean(c, cfg), pos, cfg)[:, :, 0]  # (1, H_kv, n)
+            scores = pooling.pool_mean(c, cfg)  # c̃, or nosa-hh's h
+            scores = eviction.heavy_hitters(q, k, c, cfg) if cfg.heavy_hitters else scores
+            ids_e = nosa.core_lists(scores, pos, cfg)[:, :, 0]  # (1, H_kv, n)
             pick_e = eviction.core_picks(
                 ids_e, pick_q.gather(-1, ids_e.clamp(min=0)), cfg.n_core, nb
             )

@@ -383,10 +383,13 @@ def test_bench_pretrained_on_a_small_imported_model(tmp_path):
         with open(os.path.join(sysconfig.get_paths()["stdlib"], name)) as f:
             (corpus / name).write_text(f.read())
     sparsity = dict(B=16, l_c=8, s_c=4, n_sink=1, n_win=1, k=6, k_q=2)  # k·B = 96, a core of 2
-    for attn in ("full", "infllmv2", "nosa"):
+    runs = dict(full={}, infllmv2={}, nosa={}, **{"nosa-hh": {}})
+    runs["nosa-warm"] = dict(head_warmup=1, head_distill=0.5)  # the head's warm-up, then with it
+    for name, extra in runs.items():
         train.main(
-            out=f"{dense}-{attn}",
-            attn=attn,
+            out=f"{dense}-{name}",
+            attn=name.replace("-warm", ""),
+            **extra,
             init_from=dense,
             data=str(corpus),
             data_dir=str(tmp_path / "data"),
@@ -395,7 +398,7 @@ def test_bench_pretrained_on_a_small_imported_model(tmp_path):
             batch_size=2,
             eval_every=2,
             device="cpu",
-            **({} if attn == "full" else sparsity),
+            **({} if name == "full" else sparsity),
         )
     tables = pretrained.bench_pretrained(
         dense,
@@ -408,9 +411,11 @@ def test_bench_pretrained_on_a_small_imported_model(tmp_path):
         new_tokens=6,
         recall_lengths=(120, 200),
         recall_n=2,
+        captured_windows=1,
+        long=(2, 100, 20),
     )
     names = [r["system"] for r in tables["loss"]]
-    assert len(names) == 7 and tables["loss"][2]["vs_full_continued"] == "+0.00%"
+    assert len(names) == 10 and tables["loss"][2]["vs_full_continued"] == "+0.00%"
     assert all(0 < r["loss"] < 10 for r in tables["loss"])
     hit = {r["system"]: r["hit_rate"] for r in tables["offload"]}
     assert set(hit) == {n for n in names if "infllmv2" in n or "nosa" in n}
@@ -421,3 +426,8 @@ def test_bench_pretrained_on_a_small_imported_model(tmp_path):
     mean = tables["core"][0]
     assert mean["layer"] == "mean" and len(tables["core"]) == 1 + src.cfg.n_layer
     assert 0 < mean["by_chance"] < 1 and 0 <= mean["mass_in_core"] <= 1
+    held = {r["system"]: r["held"] for r in tables["captured"]}
+    trained = {"infllmv2, trained", "nosa, trained", "nosa + warm-up, trained", "nosa-hh, trained"}
+    assert trained < set(held) and all(0 < v <= 1 for v in held.values())
+    gen = {r["system"] for r in tables["long_generation"]}
+    assert gen == {n for n in names if "imported" not in n and "A = 0" not in n}

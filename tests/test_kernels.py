@@ -316,13 +316,13 @@ def test_decode_score_kernel_matches_twin(G, d, preset, M_len, over):
     assert rel_err(got[finite], want[finite]) < FP32_TOL
 
 
-@pytest.mark.parametrize("attn", ["nosa", "infllmv2"])
+@pytest.mark.parametrize("attn", ["nosa", "infllmv2", "nosa-hh"])
 @pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if DEV == "cuda" else []))
 def test_append_kernel_matches_twin(attn, dtype):
     """A decode step's cache update (pooling.append_subblocks, eviction.join_leaver), kernels against
     twins, step after step from the same state: the ring, K̃ and c̃ as sub-blocks complete, and the
-    eviction list as blocks leave the window, with scores on a coarse grid so that a newcomer often
-    ties with members."""
+    eviction list as blocks leave the window (E from c̃, or from h in nosa-hh), with scores on a
+    coarse grid so that a newcomer often ties with members."""
     from kvcache import SubBlockCache
 
     cfg = Config.from_preset("tiny", attn=attn, max_seq_len=512)
@@ -335,6 +335,8 @@ def test_append_kernel_matches_twin(attn, dtype):
         ring_c=grid(Bz, H, cfg.l_c),
         c_sub=grid(Bz, H, 32),
     )
+    if cfg.heavy_hitters:  # E from h: one score a block (32 blocks of 16)
+        start["h"] = grid(Bz, H, 32)
     for s in caches:
         for name, x in start.items():
             getattr(s, name)[0][:, :, : x.shape[2]] = x
@@ -360,7 +362,8 @@ def test_append_kernel_matches_twin(attn, dtype):
                 append(s.ring_k[0], s.ring_c[0], s.K_sub[0], s.c_sub[0], k, c, pos, cfg)
                 if cfg.eviction_head:
                     join = eviction.join_leaver if twin else eviction_kernels.join_leaver
-                    join(s.list_ids[0], s.list_E[0], s.c_sub[0], pos, cfg)
+                    scores = s.h[0] if cfg.heavy_hitters else s.c_sub[0]
+                    join(s.list_ids[0], s.list_E[0], scores, pos, cfg)
         for name in ("ring_k", "K_sub") + (
             ("ring_c", "c_sub", "list_ids", "list_E") if cfg.eviction_head else ()
         ):
@@ -435,7 +438,7 @@ def test_full_attention_decode_bf16(prompt_lens):
         assert rel_err(got, par[i, P - 1 : P - 1 + got.shape[0]]) < 2e-2
 
 
-@pytest.mark.parametrize("attn", ["nosa", "infllmv2", "dma", "full"])
+@pytest.mark.parametrize("attn", ["nosa", "infllmv2", "dma", "full", "nosa-hh"])
 def test_chunked_prefill_through_the_kernels(attn):
     """A prefill in chunks of 48 (not a multiple of B = 16) through the kernels (compiled on a GPU in
     bf16, with the residual stream in pinned host memory and without; interpreted on CPU in fp32):

@@ -141,7 +141,7 @@ def test_gradcheck_attention_and_eviction_head():
     assert torch.autograd.gradcheck(eviction.eviction_score, (v, A, W))
 
 
-@pytest.mark.parametrize("attn", ["nosa", "dma"])
+@pytest.mark.parametrize("attn", ["nosa", "dma", "nosa-hh"])
 def test_model_gradients_reach_eviction_head(attn):
     model = make_model(attn, torch.float64)
     idx = torch.randint(0, 97, (1, 120))

@@ -65,7 +65,7 @@ class CheckedCache(OffloadCache):
             assert int((self.block_slot[layer][r] >= 0).sum()) == len(resident), "a slot leaked"
 
 
-@pytest.mark.parametrize("attn", ["nosa", "infllmv2", "dma"])
+@pytest.mark.parametrize("attn", ["nosa", "infllmv2", "dma", "nosa-hh"])
 def test_offloaded_decode_equals_parallel_and_resident(attn):
     model = make_model(attn, torch.float64).to(DEV)
     cfg = model.cfg
@@ -489,7 +489,7 @@ def test_a_step_is_graphed_from_the_first_sub_block_to_the_capacity():
     assert not any(growing.graphable(p) for p in (cfg.l_c, 50, 1000))
 
 
-@pytest.mark.parametrize("attn", ["nosa", "infllmv2"])
+@pytest.mark.parametrize("attn", ["nosa", "infllmv2", "nosa-hh"])
 def test_every_cache_buffer_is_listed_and_modelled(attn):
     """Every per-layer buffer of the offloaded cache is in its lists (OffloadCache.ROWS and SEQS,
     SubBlockCache.BUFFERS: what split and rows slice), and the memory model counts them: the host

@@ -438,7 +438,7 @@ def test_core_list_kept_by_the_policy_equals_the_list_from_scratch():
 
 
 @settings(max_examples=40, deadline=None)
-@given(cfg=configs(), data=st.data(), attn=st.sampled_from(["nosa", "dma"]))
+@given(cfg=configs(), data=st.data(), attn=st.sampled_from(["nosa", "dma", "nosa-hh"]))
 def test_block_lists_kept_chunk_by_chunk_equal_the_lists_from_scratch(cfg, data, attn):
     """Each query block's list of its best candidates by E, kept by the eviction policy as a chunked
     prefill keeps it (eviction.block_lists, carried from chunk to chunk; its Triton kernel, interpreted on
@@ -455,6 +455,8 @@ def test_block_lists_kept_chunk_by_chunk_equal_the_lists_from_scratch(cfg, data,
     c_sub = torch.randint(0, 4, (2, 2, cfg.n_subblocks(S)), generator=g).float()
     c_sub[c_sub == 3] = float("-inf")
     E = eviction.eviction_block_scores(c_sub, nb, cfg)
+    if cfg.heavy_hitters:  # E is h itself, one score a block
+        c_sub = E = torch.randint(0, 4, (2, 2, nb), generator=g).float()
     ends = sorted(set(data.draw(st.lists(st.integers(1, S), max_size=4)) + [S]))  # the chunks' ends
     carry = carry_gpu = None
     start = 0
@@ -484,7 +486,7 @@ def test_block_lists_kept_chunk_by_chunk_equal_the_lists_from_scratch(cfg, data,
 
 
 @settings(max_examples=60, deadline=None)
-@given(cfg=configs(), data=st.data(), attn=st.sampled_from(["nosa", "dma"]))
+@given(cfg=configs(), data=st.data(), attn=st.sampled_from(["nosa", "dma", "nosa-hh"]))
 def test_selection_from_block_lists_equals_the_definition(cfg, data, attn):
     """The parallel forward selects from each query block's list of its best candidates by E
     (nosa.core_lists, the list decoding keeps), not by ranking every block for every query: the same
@@ -503,6 +505,8 @@ def test_selection_from_block_lists_equals_the_definition(cfg, data, attn):
     q_pos = (start + torch.arange(T)).long()  # (Bz, T)
     c_sub = torch.randint(0, 4, (Bz, H, cfg.n_subblocks(nb * cfg.B)), generator=g).double()
     E = eviction.eviction_block_scores(c_sub, nb, cfg)  # ties everywhere
+    if cfg.heavy_hitters:
+        c_sub = E = torch.randint(0, 4, (Bz, H, nb), generator=g).double()
     Q = torch.randint(0, 4, (Bz, H, T, nb), generator=g).double()
     want = nosa.select_blocks(Q, E, q_pos[:, None], cfg)
     got = nosa.select_blocks(Q, None, q_pos[:, None], cfg, nosa.core_lists(c_sub, q_pos, cfg))
@@ -559,3 +563,45 @@ def test_minus_inf_scores_still_fill_the_budget(inf_in):
     assert torch.equal(nosa.select_step(Q, row_list, pos, cfg), want)  # the twin, on the CPU
     got = nosa_kernels.select_step(Q.to(dev), row_list.to(dev), pos.to(dev), cfg)
     assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("offloaded", [False, True])
+def test_heavy_hitters_are_final_when_a_block_leaves_the_window(offloaded):
+    """nosa-hh scores a block by the attention its window's queries paid it (eviction.heavy_hitters).
+    Decoded step by step, a block's h never changes once it has left the window, it equals what
+    the parallel forward computes from every query at once, and with those scores as E the
+    theorem and the eviction policy hold under adversarial, evicted-seeking and random Q."""
+    from kvcache import KVCache
+    from offload import OffloadCache
+    from prefill import prefill
+    from tests.conftest import make_model
+
+    model = make_model("nosa-hh", torch.float64, n_layer=1)
+    cfg = model.cfg
+    T, P = 260, 30
+    idx = torch.randint(0, cfg.vocab_size, (2, T))
+    cache = (OffloadCache if offloaded else KVCache)(cfg, 2, "cpu", torch.float64)
+    layer = model.layers[0]
+    with torch.no_grad():
+        for i in range(2):
+            prefill(model, idx[i : i + 1, :P], cache, i)
+        final = {}
+        for t in range(P, T):
+            model.decode(idx[:, t], cache)
+            h = cache.sub.h[0]
+            for b in range(max(0, (t + 1) // cfg.B - cfg.n_win)):  # blocks out of the window
+                if b in final:
+                    assert torch.equal(h[:, :, b], final[b]), (t, b)
+                else:
+                    final[b] = h[:, :, b].clone()
+        x = model.embed_tokens(idx)
+        rope = model.rope(torch.arange(T)[None].expand(2, T), x.dtype)
+        q, k, _, c = layer.self_attn.qkvc(layer.input_layernorm(x), rope)
+        whole = eviction.heavy_hitters(q, k, c, cfg)
+    nb_done = max(final) + 1
+    torch.testing.assert_close(
+        cache.sub.h[0][:, :, :nb_done], whole[:, :, :nb_done], rtol=0, atol=1e-12
+    )
+    E = whole.flatten(0, 1)  # (rows, nb): the decoded rows' final scores
+    for strategy in ("adversarial", "evicted", "random"):
+        check_locality(cfg, E, decode_selections(cfg, E, 9 * cfg.B, strategy, 0))
