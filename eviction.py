@@ -221,6 +221,7 @@ HH_PASS = (
 )  # logits a pass of heavy_hitters computes at most (memory.prefill_bytes counts them)
 
 
+@torch.amp.autocast("cuda", enabled=False)  # in fp32 (or fp64) under bf16 autocast, as decoding
 def window_attention(q, keys, key_pos, bias, q_pos, cfg):
     """What each query attends to within its forced blocks F(t): the softmax of q·k/√d + bias over
     the keys in F(t) and not after t, averaged over the G query heads of each KV head.
@@ -289,6 +290,7 @@ def heavy_hitters(q, k, c, cfg, start=0, h=None):
 
 
 @torch.no_grad()
+@torch.amp.autocast("cuda", enabled=False)
 def attention_by_block(q, k, t, cfg, bias=None):
     """The teacher: what the queries at positions t attend to, block by block. The dense softmax of
     q·k/√d (+ bias) over every causal key, averaged over each KV head's G query heads and summed

@@ -99,7 +99,7 @@ def block_lists(c_sub, first, last, cfg, carry):
         N_WIN=cfg.n_win,
         R_SUB=r,
         P_OVER=p,
-        RPP=triton.next_power_of_2(r + p),
+        RPP=max(2, triton.next_power_of_2(r + p)),  # (nosa-hh: r + p = 1)
         N=n,
         NP=triton.next_power_of_2(n),
         NJ=32,
@@ -156,7 +156,7 @@ def join_leaver(list_ids, list_E, c_sub, pos, cfg):
         N_WIN=cfg.n_win,
         R_SUB=r,
         P_OVER=p,
-        RPP=triton.next_power_of_2(r + p),
+        RPP=max(2, triton.next_power_of_2(r + p)),  # (nosa-hh: r + p = 1)
         N=n,
         NP=triton.next_power_of_2(n),
     )
