@@ -31,10 +31,9 @@ def imports(path):
 def test_an_offloaded_decode_step_runs_in_seven_files_and_the_shared_two():
     """The Python frames of one offloaded decode step on a CPU (the torch path): model, nosa,
     pooling, eviction, attention, kvcache, offload, and config and common; no kernel file, no fast."""
-    dev = "cuda" if kernels and torch.cuda.is_available() else "cpu"  # kernels: compiled there
-    model = make_model("nosa", torch.float32).to(dev)
-    cache = OffloadCache(model.cfg, 2, dev, torch.float32, max_len=200)
-    idx = torch.randint(0, 97, (2, 150), device=dev)
+    model = make_model("nosa", torch.float32)
+    cache = OffloadCache(model.cfg, 2, "cpu", torch.float32, max_len=200)
+    idx = torch.randint(0, 97, (2, 150))
     from prefill import prefill
 
     with torch.no_grad():
