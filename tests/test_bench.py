@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 
+import pooling
 from bench.throughput import PHASES, bench_throughput
 from config import Config
 from tests.conftest import processes_env
@@ -220,13 +221,65 @@ def test_requests_bench_small():
 
 
 def test_eviction_bench_on_the_embedded_model():
-    """python -m bench eviction end to end (one short window): a share per layer, each between 0 and 1."""
-    from bench.eviction import bench_eviction
+    """python -m bench eviction end to end (one short window): a row per rule and InfLLMv2's, each
+    share between 0 and 1, the oracle at least recency's, and "held" the mean of the layers."""
+    from bench.eviction import RULES, bench_eviction
 
     rows = bench_eviction(windows=1, T=400)
-    assert len(rows) == 4 and all(
-        0 <= r[k] <= 1 for r in rows for k in ("core_by_E", "by_recency", "at_random")
+    by = {r["E by"]: r for r in rows}
+    assert set(by) == set(RULES) | {"InfLLMv2 (no core)"}
+    for r in rows:
+        assert len(r["layers"]) == 4 and all(0 < x <= 1 for x in r["layers"])
+        assert r["held"] == pytest.approx(sum(r["layers"]) / 4, abs=1e-3)
+    assert by["oracle"]["held"] >= by["recency"]["held"]
+
+
+def test_captured_attention_matches_a_slow_reference():
+    """layer_captured against a loop over heads and queries that builds Γ(t) by hand: the forced
+    blocks, the k_q - 1 best others by Q (ties: the later block), then the core, the n_core best of
+    the rest by E (recency: the latest; heavy hitter and oracle computed from the mass here), or
+    for InfLLMv2 k_q - 1 + n_core more by Q."""
+    from bench.eviction import block_mass, layer_captured
+
+    torch.manual_seed(0)
+    cfg = Config.from_preset(
+        "tiny", B=8, l_c=4, s_c=2, n_sink=1, n_win=2, k=7, k_q=3, H_q=4, H_kv=2, head_dim=16
     )
+    T, t0 = 120, cfg.k * cfg.B
+    q, k = torch.randn(1, cfg.H_q, T, 16), torch.randn(1, cfg.H_kv, T, 16)
+    c = torch.rand(1, cfg.H_kv, T)
+    mass = block_mass(q, k, c, cfg, 0)  # (H_kv, T, nb)
+    got = layer_captured(q, k, c, mass, cfg, t0, torch.Generator().manual_seed(0))
+    nb = mass.shape[-1]
+    Q = pooling.query_aware_scores(
+        q[:, :, t0:], pooling.compress_keys(k, cfg), torch.arange(t0, T)[None], nb, cfg
+    )[0]
+    blk = torch.arange(T) // cfg.B
+    heavy = torch.stack(
+        [mass[:, (blk >= b) & (blk <= b + cfg.n_win), b].sum(1) for b in range(nb)], -1
+    )
+    seen = [[t for t in range(t0, T) if cfg.n_sink <= b < blk[t] - cfg.n_win] for b in range(nb)]
+    oracle = torch.stack(
+        [mass[:, s, b].mean(1) if s else torch.zeros(cfg.H_kv) for b, s in enumerate(seen)], -1
+    )
+    E = {"recency": torch.zeros(cfg.H_kv, nb), "heavy hitter": heavy, "oracle": oracle}
+
+    def best(score, blocks, n):  # the n best of blocks by score, ties to the later block
+        return sorted(blocks, key=lambda b: (score[b], b), reverse=True)[:n]
+
+    for rule in ("recency", "heavy hitter", "oracle", "infllmv2"):
+        held = []
+        for h in range(cfg.H_kv):
+            for i, t in enumerate(range(t0, T)):
+                qb = int(blk[t])
+                forced = [b for b in range(qb + 1) if b < cfg.n_sink or b >= qb - cfg.n_win]
+                cand = [b for b in range(qb + 1) if b not in forced]
+                n_q = cfg.k - len(forced) if rule == "infllmv2" else cfg.k_q - 1
+                by_q = best(Q[h, i].tolist(), cand, n_q)
+                rest = [b for b in cand if b not in by_q]
+                core = [] if rule == "infllmv2" else best(E[rule][h].tolist(), rest, cfg.n_core)
+                held.append(sum(mass[h, t, b].item() for b in forced + by_q + core))
+        assert got[rule][0] == pytest.approx(sum(held) / len(held), abs=1e-5), rule
 
 
 def test_recall_bench_on_the_embedded_model(tmp_path, monkeypatch):
