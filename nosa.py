@@ -195,18 +195,18 @@ def nosa_decode(q, k, v, c, layer, cache, cfg):
 
     q (Bz, H_q, 1, d), k, v (Bz, H_kv, 1, d), c (Bz, H_kv, 1) or None -> the output (Bz, H_q, 1, d)."""
     k, v, c, pos = k[:, :, 0], v[:, :, 0], None if c is None else c[:, :, 0], cache.len
-    # 1. the new token's k, v and c into the cache (where offloaded: into the tail block); nb: the
-    # blocks selection ranges over
+    # 1. the new token's k, v and c into the cache (where offloaded: into the tail block), and K̃,
+    # c̃ and the E-list by it; nb: the blocks selection ranges over
     nb = cache.write(layer, k, v, c)
     block_mask = None
     if cfg.sparse:
         with record_function("selection"):
-            # 2. K̃, c̃ and the E-list by the new token
+            # (1.) K̃, c̃ and the E-list
             update_pooled(cache.sub, layer, k, c, pos, cfg)
-            # 3. Γ(t), by the same select as the parallel forward
+            # 2. score and select Γ(t), by the same select as the parallel forward
             ids = cache.sub.list_ids[layer] if cache.sub.list_ids else None
             block_mask = select(q, cache.sub.K_sub[layer], ids, pos[:, None], nb, cfg)
-    # 4. the selected blocks on the device (NOSI: the set difference gathered from the host)
+    # 3.-4. the selected blocks on the device (NOSI: the set difference, the misses gathered)
     moves = "transfer" if cache.moves_blocks else "attention"  # the profiler's phases
     with record_function(moves):
         kv = cache.blocks(layer, block_mask)

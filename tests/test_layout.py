@@ -119,3 +119,22 @@ def test_kernels_are_leaves_and_speed_comes_from_outside():
         path = os.path.join(ROOT, f"{name}.py")
         assert "fast" not in imports(path), path
         assert "@triton.jit" not in open(path, encoding="utf-8").read(), path
+
+
+def test_every_kernel_file_has_the_twin_the_readme_names():
+    """README's third pass: each X_kernels.py is listed, and its torch twins are in X.py (or the file
+    the README names for it), whose docstrings name the kernels ("Kernel: X_kernels.f")."""
+    import re
+
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    para = readme[readme.index("**Pass 3, the kernels.**") :].split("\n\n")[0]
+    elsewhere = dict(re.findall(r"`(\w+_kernels)\.py`'s in `(\w+)\.py`", para))
+    kernel_files = sorted(glob.glob(os.path.join(ROOT, "*_kernels.py")))
+    assert kernel_files
+    for path in kernel_files:
+        stem = os.path.basename(path)[:-3]
+        assert f"`{stem}.py`" in para, f"README's third pass does not list {stem}.py"
+        twin = os.path.join(ROOT, elsewhere.get(stem, stem.removesuffix("_kernels")) + ".py")
+        assert os.path.isfile(twin), f"{stem}.py: no twin file {os.path.basename(twin)}"
+        source = open(twin, encoding="utf-8").read()
+        assert re.search(rf"Kernels?: {stem}\.\w+", source), f"{twin} names no kernel of {stem}"
