@@ -19,6 +19,14 @@ from model import Transformer  # noqa: E402
 from prefill import prefill  # noqa: E402
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked gpu are skipped where CUDA is not."""
+    if not torch.cuda.is_available():
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(pytest.mark.skip(reason="needs a GPU"))
+
+
 @pytest.fixture(autouse=True)
 def _seed_and_threads():
     torch.manual_seed(0)

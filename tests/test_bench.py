@@ -12,6 +12,7 @@ from config import Config
 from tests.conftest import processes_env
 
 
+@pytest.mark.slow
 def test_throughput_bench_small():
     """On CPU, or on a GPU, with a budget small enough that the caches, not the batch cap, set the
     batch (on a GPU it also holds the weights and the measured activations)."""
@@ -86,6 +87,7 @@ def test_eviction_diagnostic_finds_planted_blocks():
     assert by_e > 0.99 and by_recency < 0.2 and at_random < 0.5
 
 
+@pytest.mark.slow
 def test_eviction_at_the_question_finds_a_planted_fact(monkeypatch):
     """bench recall's view of the eviction head: where c is large on the fact's tokens (planted), c
     stands far above the rest, E ranks the fact's block first and the dense attention goes there;
@@ -147,6 +149,7 @@ def test_gradient_on_the_value_is_the_loss_derivative():
     assert slope == pytest.approx(-on * entries, rel=1e-4, abs=1e-9)
 
 
+@pytest.mark.slow
 def test_quality_bench_on_the_embedded_model(tmp_path):
     """python -m bench quality, small: the embedded model's loss is a trained model's, its generation
     through the offload engine keeps the theorem's hit rate, and bad arguments fail before any work."""
@@ -175,6 +178,7 @@ def test_quality_bench_on_the_embedded_model(tmp_path):
     assert 0 < row["gen_distinct_4grams_last_kB"] <= 1 and row["gen_judge_loss_last_kB"] > 0
 
 
+@pytest.mark.slow
 def test_requests_bench_small():
     """python -m bench requests, tiny shape (in fp32 on CPU, bf16 on a GPU): each system's batch comes from
     the memory plan, the composition of static batches adds up, and offloading fits more sequences than full
@@ -220,6 +224,7 @@ def test_requests_bench_small():
     assert by["full, resident cache"]["G16"]["vs_full"] == 1.0
 
 
+@pytest.mark.slow
 def test_eviction_bench_on_the_embedded_model():
     """python -m bench eviction end to end (one short window): a row per rule and InfLLMv2's, each
     share between 0 and 1, the oracle at least recency's, and "held" the mean of the layers."""
@@ -282,6 +287,7 @@ def test_captured_attention_matches_a_slow_reference():
         assert got[rule][0] == pytest.approx(sum(held) / len(held), abs=1e-5), rule
 
 
+@pytest.mark.slow
 def test_recall_bench_on_the_embedded_model(tmp_path, monkeypatch):
     """python -m bench recall, small: accuracy per distance, the offload engine's hit rate within the
     theorem's bound, and where the fact's block stood (shares that add up to 1); a bin the context
@@ -339,6 +345,7 @@ def test_recall_bench_on_the_embedded_model(tmp_path, monkeypatch):
     assert 0 <= rows[1]["dense_fact"] <= 1 and 0 <= rows[1]["E_rank_fact"] <= 1
 
 
+@pytest.mark.slow
 def test_head_only_training_moves_the_head_alone():
     """bench head: train_head changes A and W_δ and nothing else; from A = 1, W_δ = 0 c is constant (no
     standing of the value to report) until a step has trained W_δ."""
@@ -400,20 +407,29 @@ def test_distances_flag():
         (["recall", "--cases", "0"], "--cases 0: must be at least 1"),
         (["throughput", "--budget-gb", "nan"], "--budget-gb nan: give a positive, finite number"),
         (["requests", "--host-gb", "inf", "--budget-gb", "0.02"], "--host-gb inf: give a positive"),
+        (["quality", "--gen-len", "-5"], "--gen-len -5: must be at least 1"),
+        (["throughput", "--prompt-len", "0", "--budget-gb", "0.02"], "--prompt-len 0"),
+        (["throughput", "--prompt-len", "-5", "--budget-gb", "0.02"], "--prompt-len -5"),
+        (["throughput", "--shape", "8b", "--budget-gb", "1"], "its weights take"),
+        (["requests", "--shape", "8b", "--budget-gb", "0.5"], "its weights take"),
+        (["throughput", "--json", "DIR", "--budget-gb", "0.02"], "is a directory"),
     ]
     + ([(["throughput"], "on a CPU")] if not torch.cuda.is_available() else []),
 )
 def test_bench_arguments_fail_in_one_line_before_any_work(argv, msg, capsys, monkeypatch, tmp_path):
     """python -m bench: a bad number, system or output path, and a CPU asked for a GPU-sized run,
-    stop before any work with an error that says what to give."""
+    stop before any work with an error that says what to give: one line, or argparse's usage and
+    its line."""
     import bench.__main__ as cli
     from bench import eviction
 
-    monkeypatch.setattr(eviction, "bench_eviction", lambda *a: pytest.fail("work started"))
+    monkeypatch.setattr(eviction, "bench_eviction", lambda *a, **k: pytest.fail("work started"))
+    argv = [a.replace("MISSING", str(tmp_path / "missing")) for a in argv]
     with pytest.raises(SystemExit) as e:
-        cli.cli([a.replace("MISSING", str(tmp_path / "missing")) for a in argv])
+        cli.cli([str(tmp_path) if a == "DIR" else a for a in argv])
     err = capsys.readouterr().err
     assert e.value.code == 2 and msg in err.splitlines()[-1], err
+    assert err.startswith("usage:") or (err.startswith("error: ") and err.count("\n") == 1), err
 
 
 def test_bench_plot_without_matplotlib_says_how_to_get_it(monkeypatch, capsys):
@@ -437,6 +453,7 @@ def test_bench_plot_without_matplotlib_says_how_to_get_it(monkeypatch, capsys):
     )
 
 
+@pytest.mark.slow
 def test_throughput_bench_with_tensor_parallelism_small():
     """python -m bench throughput --tp 2 starts itself in two processes (torchrun; gloo on CPU),
     each with half the KV heads, and the first prints the rows."""

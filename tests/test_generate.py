@@ -48,6 +48,7 @@ def test_generate_main_ragged_prompts(capsys):
     assert "prompts of 3-" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_greedy_offload_matches_resident():
     a = generate.main(max_new_tokens=300, temperature=0.0, offload=False, device="cpu", quiet=True)
     b = generate.main(max_new_tokens=300, temperature=0.0, offload=True, device="cpu", quiet=True)
@@ -229,7 +230,7 @@ def test_random_model_with_a_long_prompt_in_chunks(capsys):
     )
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="measures GPU memory")
+@pytest.mark.gpu
 @torch.no_grad()  # as generate runs
 def test_prefill_and_decode_stay_within_the_memory_model():
     """The peak of a chunked prefill beyond the weights and the cache (its residual stream on the GPU,

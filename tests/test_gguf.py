@@ -280,6 +280,7 @@ SMOLLM2 = os.environ.get("SMOLLM2_GGUF") or os.path.join(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     not os.path.isfile(SMOLLM2), reason="no SmolLM2 GGUF file (README: A real model)"
 )
@@ -364,6 +365,7 @@ def test_recipe_from_an_imported_model_uses_its_tokenizer(tmp_path):
     assert json.load(open(out / "train_state.json"))["step"] == 2
 
 
+@pytest.mark.slow
 def test_bench_pretrained_on_a_small_imported_model(tmp_path):
     """python -m bench pretrained, end to end on CPU: an imported model continued in three modes,
     every table filled, NOSA's offloaded decode within the locality theorem's bound."""

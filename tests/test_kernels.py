@@ -112,6 +112,7 @@ def test_sparse_attention_kernel_matches_twin(G, d, T, B, k, BT, dtype):
         assert rel_err(got, want) < tol, (name, rel_err(got, want))
 
 
+@pytest.mark.slow
 def test_sparse_attention_backward_in_chunks_of_tiles(monkeypatch):
     """dK, dV and dc of a block from several programs (its tiles in ranges of 3 and those in chunks of
     2, added atomically)."""
@@ -120,6 +121,7 @@ def test_sparse_attention_backward_in_chunks_of_tiles(monkeypatch):
     test_sparse_attention_kernel_matches_twin(*CASES[2], torch.float32)
 
 
+@pytest.mark.slow
 def test_parallel_selection_in_chunks_of_queries(monkeypatch):
     """The kernel path of the parallel forward scores and selects nosa_kernels.select_rows(nb)
     queries at a time (nosa.select_tiles): in chunks of 32 of 120 queries, the same tiles as all at
@@ -379,6 +381,7 @@ def test_append_kernel_matches_twin(attn, dtype):
     assert not cfg.eviction_head or n_joins >= 3  # the list did change, more than once
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("H_q, H_kv", [(4, 2), (3, 1)])  # G = 3: SmolLM2's groups (9 / 3)
 def test_model_through_the_kernels(H_q, H_kv):
     """The whole system on the kernel path (compiled on a GPU, interpreted on CPU): the parallel
@@ -438,6 +441,7 @@ def test_full_attention_decode_bf16(prompt_lens):
         assert rel_err(got, par[i, P - 1 : P - 1 + got.shape[0]]) < 2e-2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attn", ["nosa", "infllmv2", "dma", "full", "nosa-hh"])
 def test_chunked_prefill_through_the_kernels(attn):
     """A prefill in chunks of 48 (not a multiple of B = 16) through the kernels (compiled on a GPU in

@@ -262,24 +262,6 @@ def test_numbers_in_a_config_file_are_checked_finite(tmp_path):
         checkpoint.load(str(path))
 
 
-@pytest.mark.parametrize(
-    "argv, msg",
-    [
-        (["quality", "--gen-len", "-5"], "--gen-len -5: must be at least 1"),
-        (["throughput", "--prompt-len", "0", "--budget-gb", "0.02"], "--prompt-len 0"),
-        (["throughput", "--prompt-len", "-5", "--budget-gb", "0.02"], "--prompt-len -5"),
-        (["throughput", "--shape", "8b", "--budget-gb", "1"], "its weights take"),
-        (["requests", "--shape", "8b", "--budget-gb", "0.5"], "its weights take"),
-        (["throughput", "--json", "DIR", "--budget-gb", "0.02"], "is a directory"),
-    ],
-)
-def test_bench_arguments_are_one_line_before_work(argv, msg, capsys, tmp_path):
-    from bench.__main__ import cli
-
-    argv = [str(tmp_path) if a == "DIR" else a for a in argv]
-    assert msg in one_line(capsys, cli, argv)
-
-
 def test_bench_prints_its_rows_before_a_json_file_that_fails(tmp_path, capsys, monkeypatch):
     import bench.__main__ as bm
 

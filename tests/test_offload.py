@@ -187,7 +187,7 @@ def test_budgets_and_modes_raise_before_allocating():
         OffloadCache(make_model("full", torch.float32).cfg, 1, "cpu", torch.float32)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA kernels need a GPU")
+@pytest.mark.gpu
 def test_cuda_kernels_match_twins():
     assert offload_kernels.uva("cuda"), "uva_copy.cu did not build"
     R, k, cap, U = 6, 8, 40, (2, 16, 64)
@@ -235,7 +235,7 @@ def test_cuda_kernels_match_twins():
     assert torch.equal(host[0, 1], tails[0, 0]) and torch.equal(host[5, 6], tails[5, 0])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA kernels need a GPU")
+@pytest.mark.gpu
 def test_cuda_kernels_refuse_what_they_cannot_read():
     """The library gets raw pointers: its Python side refuses an unpinned store, a wrong dtype or a
     unit that is no multiple of 16 bytes before any launch, and a launch error becomes a RuntimeError."""
@@ -263,7 +263,7 @@ def test_cuda_kernels_refuse_what_they_cannot_read():
         )
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA kernels need a GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("ctas", [0, 1, 3, 16, 5000])
 # 1 KiB: 32 units a round of loads; 40 KiB: 1.25 rounds
 @pytest.mark.parametrize("unit", [(2, 8, 32), (2, 64, 160)])
@@ -285,7 +285,7 @@ def test_cuda_gather_with_few_blocks(ctas, unit):
         assert torch.equal(pool, dev_pool.cpu())
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("offloaded", [True, False])
 def test_graphed_decode_equals_eager(offloaded):
     # B >= 16
@@ -414,7 +414,7 @@ def test_triton_transfer_kernels_match_twins():
     assert not torch.equal(a[0], host) and not torch.equal(a[1], pool)  # both moved something
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the no-nvcc path on a GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("graphed", [False, True])
 def test_offload_without_the_cuda_extension_on_a_gpu(graphed, monkeypatch):
     """A GPU machine without nvcc: the Triton transfer kernels and the sync-free set difference,
@@ -440,7 +440,7 @@ def test_offload_without_the_cuda_extension_on_a_gpu(graphed, monkeypatch):
     assert cache.stats.moved.sum() > 0
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the no-nvcc path on a GPU")
+@pytest.mark.gpu
 def test_generate_offload_with_no_cuda_toolkit(tmp_path):
     """CUDA_HOME pointing nowhere and an empty extension cache: the build fails with one warning and
     generate.py --offload still runs, graphed, on the Triton kernels."""

@@ -254,6 +254,7 @@ def test_select_step_kernel_equals_twin(cfg, data, attn):
     assert torch.equal(got.cpu(), want)
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None)
 @given(cfg=configs(), data=st.data(), attn=st.sampled_from(["nosa", "infllmv2", "dma"]))
 def test_select_tiles_kernel_equals_twin(cfg, data, attn):
@@ -437,6 +438,7 @@ def test_core_list_kept_by_the_policy_equals_the_list_from_scratch():
         assert torch.equal(ids2, ids)
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(cfg=configs(), data=st.data(), attn=st.sampled_from(["nosa", "dma", "nosa-hh"]))
 def test_block_lists_kept_chunk_by_chunk_equal_the_lists_from_scratch(cfg, data, attn):

@@ -31,7 +31,7 @@ def prompts(text, lens):  # prompts of these lengths from different places of a 
     return [text[97 * i : 97 * i + n] for i, n in enumerate(lens)]
 
 
-GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+GPU = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=GPU)])

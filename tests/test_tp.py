@@ -59,6 +59,7 @@ def worker(rank, world, port, shape):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world, shape", [(2, {}), (3, dict(H_q=6, H_kv=3))])
 def test_tensor_parallel_decode_equals_one_process(world, shape):
     mp.spawn(worker, args=(world, free_port(), shape), nprocs=world)
@@ -72,6 +73,7 @@ def test_a_shape_that_does_not_divide_is_one_line():
         tp.check(Config.from_preset("tiny", **{**small, "H_q": 10, "H_kv": 5}), 5)
 
 
+@pytest.mark.slow
 def test_torchrun_generate_prints_what_one_process_prints():
     """`torchrun --nproc_per_node=2 generate.py --offload`: the two processes of the embedded model
     print the text one process prints (greedy)."""
@@ -92,6 +94,7 @@ def test_torchrun_generate_prints_what_one_process_prints():
     assert text(one) == text(two) and len(text(one)) > 3
 
 
+@pytest.mark.slow
 def test_torchrun_refuses_serving_and_heads_that_do_not_divide():
     """Serving's schedule follows each process's clock, so under torchrun it is refused in one
     line; so are 3 processes for the embedded model's 2 KV heads."""

@@ -124,6 +124,7 @@ def test_bad_checkpoints_fail_clearly(corpus, tmp_path):
         checkpoint.load(out)
 
 
+@pytest.mark.slow
 def test_ddp_two_processes_on_cpu(corpus, tmp_path):
     out = str(tmp_path / "ddp")
     args = [
@@ -157,6 +158,7 @@ def test_ddp_two_processes_on_cpu(corpus, tmp_path):
     assert json.load(open(os.path.join(out, "train_state.json")))["step"] == 3
 
 
+@pytest.mark.slow
 def test_fsdp_two_processes_equals_ddp_and_resumes(corpus, tmp_path):
     """train.py --fsdp under torchrun (FSDP2 over gloo): three steps give the weights DDP gives,
     saved gathered, loadable as any checkpoint; the run resumes from its own checkpoint."""
@@ -251,6 +253,7 @@ train.main(**{kw!r})
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["weights", "swap"])
 def test_a_kill_during_a_save_leaves_a_whole_checkpoint(corpus, tmp_path, where):
     """SIGKILL in the middle of the second save (step 8 of 8, checkpoints every 4): what is on disk
@@ -636,6 +639,7 @@ def test_answer_weight(corpus):
         train.main(data=corpus, steps=1, answer_weight=5.0)
 
 
+@pytest.mark.slow
 def test_a_vocabulary_over_65536_ids_trains(corpus, tmp_path):
     """Token streams hold ids in a type wide enough for the vocabulary (the paper preset's is
     128256: uint16 would wrap its ids above 65535), and a run with such a vocabulary trains."""
