@@ -165,7 +165,7 @@ class Config:
         return (1, 0) if self.heavy_hitters else (self.r, self.p)
 
     @property
-    def n_list(self):  # length of the E-list a decode step keeps per row: n_core + k_q - 1 (nosa)
+    def n_e_list(self):  # the E-list's length (nosa.py's legend): n_core + k_q - 1
         return self.n_core + self.k_q_free if self.eviction_head and self.n_core > 0 else 0
 
     def n_subblocks(self, T):  # M: the sub-blocks complete after T tokens

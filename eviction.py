@@ -16,10 +16,11 @@ is the only path through which A and W_δ receive gradient, and, pooled, the blo
 The eviction policy (docs/METHOD.md §5 has why it holds). E[b] is final once block b is a candidate,
 and candidates only join, so the core changes only at a block boundary, by letting the newcomer
 compete with the members: the weakest is *evicted* for good. `core_blocks` is the core from scratch
-(the definition); `core_list` the short list of the best candidates from scratch; `join_core_list`
-the policy on that list, which the parallel forward runs a query block at a time (block_lists) and
-decoding a step at a time (join_leaver). The tests check that they agree and that an evicted block
-never comes back. Kernels (eviction_kernels.py): block_lists and join_leaver, one insertion in both.
+(the definition); `e_list` the short list of the best candidates from scratch; `e_list_join` the
+policy on that list, which the parallel forward runs a query block at a time (e_lists_by_block) and
+decoding a step at a time (e_list_join_leaver). The tests check that they agree and that an evicted
+block never comes back. Kernels (eviction_kernels.py): e_lists_by_block and e_list_join_leaver, one
+insertion in both.
 """
 
 import math
@@ -123,7 +124,7 @@ def best_first(ids, E, n):
     return ids.gather(-1, order), E.gather(-1, order)
 
 
-def core_list(E, cand, n):
+def e_list(E, cand, n):
     """The list from scratch: the best n candidates. E (..., nb), cand bool (..., nb) -> (ids, E) (..., n)."""
     ids = torch.where(cand, torch.arange(E.shape[-1], device=E.device), -1)
     if E.shape[-1] < n:  # fewer blocks than the list holds: pad with empty entries
@@ -132,7 +133,7 @@ def core_list(E, cand, n):
     return best_first(ids, E, n)
 
 
-def join_core_list(ids, E_ids, b_new, E_new):
+def e_list_join(ids, E_ids, b_new, E_new):
     """The eviction policy on the list: b_new (...,) a block that has just left the window (-1: none),
     with score E_new, competes with the members; the best n stay, the one left out is evicted for good.
     The list is best first, so this is an insertion: b_new takes the place of its rank (the members
@@ -149,33 +150,33 @@ def join_core_list(ids, E_ids, b_new, E_new):
     return ids, torch.where(join, torch.where(here, E_new, E_ids.gather(-1, src)), E_ids)
 
 
-def block_lists(scores, first, last, cfg, carry=None):
-    """The list of the best n = n_core + k_q - 1 candidates by E, best first (core_list), of each
-    query block first .. last, kept by the eviction policy as decoding keeps it: the candidates of query
-    block b are those of b - 1 and the block that has just left the window, b - 1 - n_win, which joins
-    the list (join_core_list) with its E (block_score). nosa.select_blocks with these lists selects
-    what it selects from E itself. scores: c̃ (Bz, H_kv, M), the sub-block means of c, or in nosa-hh
-    h (Bz, H_kv, nb), final for every block that has left the window of query block `last`.
-    carry: (ids, E, b), the list of query block b <= first that a call for the blocks before left (a
-    prefill's earlier chunks); None: from the empty list of block 0.
-    Returns the lists (Bz, H_kv, last - first + 1, n) and the carry of block `last`.
-    Kernel: eviction_kernels.block_lists."""
+def e_lists_by_block(scores, first, last, cfg, e_list_carry=None):
+    """The E-list (nosa.py's legend) of each query block first .. last, kept by the eviction policy
+    as decoding keeps it: the candidates of query block b are those of b - 1 and the block that has
+    just left the window, b - 1 - n_win, which joins the list (e_list_join) with its E
+    (block_score). nosa.select_blocks with these lists selects what it selects from E itself.
+    scores: c̃ (Bz, H_kv, M), the sub-block means of c, or in nosa-hh h (Bz, H_kv, nb), final for
+    every block that has left the window of query block `last`. e_list_carry: (ids, E, b), the list
+    of query block b <= first that a call for the blocks before left (a prefill's earlier chunks);
+    None: from the empty list of block 0.
+    Returns the lists (Bz, H_kv, last - first + 1, n) and the e_list_carry of block `last`.
+    Kernel: eviction_kernels.e_lists_by_block."""
     n = cfg.n_core + cfg.k_q_free
-    if carry is None:
+    if e_list_carry is None:
         shape, dev = (*scores.shape[:2], n), scores.device
-        carry = (
+        e_list_carry = (
             torch.full(shape, -1, dtype=torch.long, device=dev),
             torch.full(shape, float("-inf"), dtype=scores.dtype, device=dev),
             0,
         )
     if use_kernels(scores):
-        return eviction_kernels.block_lists(scores, first, last, cfg, carry)
-    ids, E, b0 = carry
+        return eviction_kernels.e_lists_by_block(scores, first, last, cfg, e_list_carry)
+    ids, E, b0 = e_list_carry
     lists = [ids] if b0 == first else []
     for b in range(b0 + 1, last + 1):
         if b - 1 - cfg.n_win >= cfg.n_sink:  # a candidate leaves the window
             b_new = torch.full(ids.shape[:-1], b - 1 - cfg.n_win, device=ids.device)
-            ids, E = join_core_list(ids, E, b_new, block_score(scores, b_new, cfg))
+            ids, E = e_list_join(ids, E, b_new, block_score(scores, b_new, cfg))
         if b >= first:
             lists.append(ids)
     return torch.stack(lists, 2), (ids, E, last)
@@ -191,21 +192,21 @@ def core_picks(ids, taken, n_core, nb):
     return mask.scatter_(-1, torch.where(pick, ids, nb), True)[..., :nb]
 
 
-def join_leaver(list_ids, list_E, scores, pos, cfg):
+def e_list_join_leaver(e_list_ids, e_list_E, scores, pos, cfg):
     """The eviction policy at a decode step, in place: at a block's first token (pos (Bz,)) the block
-    n_win + 1 back leaves the window and competes with each row's list (join_core_list). Its E is
+    n_win + 1 back leaves the window and competes with each row's list (e_list_join). Its E is
     final: the sub-blocks that overlap it are complete (a check of config.Config), or, in nosa-hh,
-    the queries of its window have all attended. list_ids, list_E (Bz, H_kv, n); scores: c̃
-    (Bz, H_kv, M) or h (Bz, H_kv, nb) (block_score). Kernel: eviction_kernels.join_leaver."""
+    the queries of its window have all attended. e_list_ids, e_list_E (Bz, H_kv, n); scores: c̃
+    (Bz, H_kv, M) or h (Bz, H_kv, nb) (block_score). Kernel: eviction_kernels.e_list_join_leaver."""
     if use_kernels(scores):
-        return eviction_kernels.join_leaver(list_ids, list_E, scores, pos, cfg)
+        return eviction_kernels.e_list_join_leaver(e_list_ids, e_list_E, scores, pos, cfg)
     b_new = pos // cfg.B - cfg.n_win - 1
     b_new = torch.where((pos % cfg.B == 0) & (b_new >= cfg.n_sink), b_new, -1)
     b_new = b_new[:, None].expand(-1, cfg.H_kv)
     E_new = block_score(scores, b_new.clamp(min=0), cfg)
-    ids, E = join_core_list(list_ids, list_E, b_new, E_new)
-    list_ids.copy_(ids)
-    list_E.copy_(E)
+    ids, E = e_list_join(e_list_ids, e_list_E, b_new, E_new)
+    e_list_ids.copy_(ids)
+    e_list_E.copy_(E)
 
 
 # -----------------------------------------------------------------------------

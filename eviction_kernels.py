@@ -1,10 +1,11 @@
 """
-The kernels of eviction.py: the eviction policy's insertion (eviction.join_core_list) written once,
+The kernels of eviction.py: the eviction policy's insertion (eviction.e_list_join) written once,
 _join, and run by both of its kernels:
 
-  block_lists   the list of every query block of a prefill (or of the parallel forward), the block
-                leaving the window joining at each one: one program (one warp) per (sequence, KV head)
-  join_leaver   a decode step's join: one program per (sequence, KV head)
+  e_lists_by_block     the list of every query block of a prefill (or of the parallel forward),
+                       the block leaving the window joining at each one: one program (one warp)
+                       per (sequence, KV head)
+  e_list_join_leaver   a decode step's join: one program per (sequence, KV head)
 """
 
 import torch
@@ -14,7 +15,7 @@ import triton.language as tl
 
 @triton.jit
 def _join(ids, E, b_new, E_new, e, on):
-    """join_core_list on one row's list, ids and E (NP,) best first: b_new, of score E_new, takes the
+    """e_list_join on one row's list, ids and E (NP,) best first: b_new, of score E_new, takes the
     place of its rank (it wins ties: it is the most recent block), the entries after it move down one
     place and the last falls off. e = arange(NP); where `on` is false nothing changes."""
     rank = tl.sum(((ids >= 0) & (E > E_new)).to(tl.int32), 0)
@@ -37,7 +38,7 @@ def _block_score(CS, r, M, b, i, R_SUB: tl.constexpr, P_OVER: tl.constexpr):
 
 
 @triton.jit
-def _block_lists_kernel(
+def _e_lists_by_block_kernel(
     CS,
     IDS,
     ES,
@@ -78,14 +79,14 @@ def _block_lists_kernel(
     tl.store(ES_OUT + r * N + e, E, mask=on)
 
 
-def block_lists(c_sub, first, last, cfg, carry):
-    """eviction.block_lists (same arguments and result)."""
-    ids, E, b0 = carry
+def e_lists_by_block(c_sub, first, last, cfg, e_list_carry):
+    """eviction.e_lists_by_block (same arguments and result)."""
+    ids, E, b0 = e_list_carry
     Bz, H_kv, n = ids.shape
     r, p = cfg.E_layout
     lists = torch.empty(Bz, H_kv, last - first + 1, n, dtype=ids.dtype, device=ids.device)
     out = torch.empty_like(ids), torch.empty_like(E)
-    _block_lists_kernel[(Bz * H_kv,)](
+    _e_lists_by_block_kernel[(Bz * H_kv,)](
         c_sub.contiguous(),
         ids.contiguous(),
         E.contiguous(),
@@ -140,13 +141,13 @@ def _join_leaver_kernel(
     tl.store(ES + r * N + e, E, mask=join)
 
 
-def join_leaver(list_ids, list_E, c_sub, pos, cfg):
-    """eviction.join_leaver (same arguments), one program per row."""
-    Bz, H_kv, n = list_ids.shape
+def e_list_join_leaver(e_list_ids, e_list_E, c_sub, pos, cfg):
+    """eviction.e_list_join_leaver (same arguments), one program per row."""
+    Bz, H_kv, n = e_list_ids.shape
     r, p = cfg.E_layout
     _join_leaver_kernel[(Bz * H_kv,)](
-        list_ids,
-        list_E,
+        e_list_ids,
+        e_list_E,
         c_sub,
         pos,
         c_sub.shape[2],

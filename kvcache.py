@@ -115,19 +115,18 @@ def grow(t, n, dim):
 
 class SubBlockCache:
     """Per layer, the pooled state selection reads: K̃ (Bz, H_kv, M, d) and c̃ (Bz, H_kv, M), the
-    rings of the last l_c keys and scores they are pooled from, and each row's E-list: its best
-    n_list = n_core + k_q - 1 candidates by E (list_ids, their scores list_E), best first, all a
-    decode step needs of E; in nosa-hh also h (Bz, H_kv, nb), what each block got of the attention
-    of its window's queries (eviction.py), the E-list's source there. Stored here only:
-    nosa.update_pooled changes it a token at a time, and a prompt's is written whole (prefill). Both
-    caches use it."""
+    rings of the last l_c keys and scores they are pooled from, and each row's E-list (nosa.py's
+    legend: e_list_ids, e_list_E), all a decode step needs of E; in nosa-hh also h (Bz, H_kv, nb),
+    what each block got of the attention of its window's queries (eviction.py), the E-list's source
+    there. Stored here only: nosa.update_pooled changes it a token at a time, and a prompt's is
+    written whole (prefill). Both caches use it."""
 
     # one tensor per layer, a row per sequence
-    BUFFERS = ("ring_k", "ring_c", "K_sub", "c_sub", "list_ids", "list_E", "h")
+    BUFFERS = ("ring_k", "ring_c", "K_sub", "c_sub", "e_list_ids", "e_list_E", "h")
 
     def __init__(self, cfg, Bz, device, dtype, max_len=0):
         self.cfg = cfg
-        L, H, d, l_c, n = cfg.n_layer, cfg.H_kv, cfg.head_dim, cfg.l_c, cfg.n_list
+        L, H, d, l_c, n = cfg.n_layer, cfg.H_kv, cfg.head_dim, cfg.l_c, cfg.n_e_list
         M = cfg.n_subblocks(max_len)  # preallocated for max_len tokens; grows past it
         self.ring_k = [torch.zeros(Bz, H, l_c, d, device=device, dtype=dtype) for _ in range(L)]
         cdt = torch.promote_types(dtype, torch.float32)  # c and its pools stay in fp32 (or fp64)
@@ -137,8 +136,8 @@ class SubBlockCache:
         new = lambda fill, dt: [
             torch.full((Bz, H, n), fill, dtype=dt, device=device) for _ in range(L)
         ]
-        self.list_ids = new(-1, torch.long) if n else None
-        self.list_E = new(float("-inf"), cdt) if n else None
+        self.e_list_ids = new(-1, torch.long) if n else None
+        self.e_list_E = new(float("-inf"), cdt) if n else None
         nb = cfg.n_blocks(max_len)
         self.h = None
         if cfg.heavy_hitters:
@@ -178,9 +177,10 @@ class SubBlockCache:
         if self.h:  # the row's whole h: what a sequence before left beyond the prompt goes
             self.h[layer][seq] = 0
             self.h[layer][seq, :, : h.shape[1]] = h
-        if self.list_ids:  # as of the last prompt token: the next step adds what leaves the window
-            put(self.list_ids[layer], seq, e_list[0])
-            put(self.list_E[layer], seq, e_list[1])
+        # the E-list as of the last prompt token: the next step adds what leaves the window
+        if self.e_list_ids:
+            put(self.e_list_ids[layer], seq, e_list[0])
+            put(self.e_list_E[layer], seq, e_list[1])
 
 
 class KVCache(Cache):

@@ -12,8 +12,8 @@ Notation (docs/METHOD.md §2; the parameters are config.Config's fields):
   Q[t, b]     query-aware block score (pooling.py);  E[b] query-agnostic eviction score (eviction.py)
   Γ_q(t)      F(t) + the k_q - 1 best other causal blocks by Q
   Γ(t)        Γ_q(t) + the best remaining causal blocks by E, up to k in all
-  E-list      the best n_list = n_core + k_q - 1 candidates by E, best first (eviction.core_list):
-              its block ids list_ids and their scores list_E; one per query block (lists) in the
+  E-list      the best n_e_list = n_core + k_q - 1 candidates by E, best first (eviction.e_list):
+              its block ids e_list_ids and their scores e_list_E; one per query block in the
               parallel forward, one per row in decoding, kept by the eviction policy
   H_q, H_kv   query and KV heads, G = H_q / H_kv query heads share one KV head and one selection
 
@@ -29,9 +29,9 @@ Locality: γ(t) = |Γ(t) ∩ Γ(t-1)| / |Γ(t)| >= k_e / k at every step, so at 
 (sequence, layer, KV head) are new at a step besides the query's own (docs/METHOD.md §5 proves it).
 The definition (select_blocks from E) ranks all candidates by E at every position; both paths
 select from a short list of the best candidates by E instead, kept by the eviction policy
-(eviction.join_core_list): the parallel forward one list per query block (eviction.block_lists,
+(eviction.e_list_join): the parallel forward one list per query block (eviction.e_lists_by_block,
 carried from chunk to chunk through a prefill), decoding one per row, step after step
-(eviction.join_leaver); the tests check that both select what the definition selects.
+(eviction.e_list_join_leaver); the tests check that both select what the definition selects.
 
 Kernels (nosa_kernels.py): a decode step's selection (select_step), and the parallel forward's,
 written as tiles of neighbouring queries for the attention kernels (select_tiles).
@@ -57,13 +57,13 @@ from common import tile_size, use_kernels
 # Dual selection
 
 
-def select_blocks(Q, E, q_pos, cfg, list_ids=None):
+def select_blocks(Q, E, q_pos, cfg, e_list_ids=None):
     """Γ(t) for every query as a block mask.
 
     Q: (..., T, nb) query-aware scores, E: (..., nb) eviction scores, q_pos: (..., T) positions.
-    Instead of E, a list of the best n_core + k_q - 1 candidates by E, best first (eviction.core_list)
-    may come, the same for every query (list_ids (..., n): decoding, which keeps it by the eviction
-    policy) or one per query (list_ids (..., T, n): select makes them per query block); E is then None.
+    Instead of E, an E-list may come, the same for every query (e_list_ids (..., n): decoding, which
+    keeps it by the eviction policy) or one per query (e_list_ids (..., T, n): select makes them per
+    query block); E is then None.
     Returns a bool mask (..., T, nb): True where block b is selected for the query at q_pos.
     Not differentiable: top-k and pooling carry no gradient."""
     nb = Q.shape[-1]
@@ -74,10 +74,10 @@ def select_blocks(Q, E, q_pos, cfg, list_ids=None):
     cand = causal & ~forced
     pick_q = eviction.top_desc(Q, cand, cfg.k_q_free)  # Γ_q(t) \ F(t)
     # E-picks: the core, with the core members Q already took replaced by the next best by E
-    if list_ids is not None:  # the first n_core members of the list that Q did not take
-        if list_ids.dim() < Q.dim():  # one list for all T queries
-            list_ids = list_ids.unsqueeze(-2).expand(*Q.shape[:-1], list_ids.shape[-1])
-        ids = list_ids  # (..., T, n)
+    if e_list_ids is not None:  # the first n_core members of the list that Q did not take
+        if e_list_ids.dim() < Q.dim():  # one list for all T queries
+            e_list_ids = e_list_ids.unsqueeze(-2).expand(*Q.shape[:-1], e_list_ids.shape[-1])
+        ids = e_list_ids  # (..., T, n)
         pick_e = eviction.core_picks(ids, pick_q.gather(-1, ids.clamp(min=0)), cfg.n_core, nb)
     elif E is not None:
         rest = cand & ~pick_q
@@ -88,45 +88,45 @@ def select_blocks(Q, E, q_pos, cfg, list_ids=None):
     return torch.where(few, causal, forced | pick_q | pick_e)
 
 
-def select(q, K_sub, list_ids, q_pos, nb, cfg):
+def select(q, K_sub, e_list_ids, q_pos, nb, cfg):
     """Score, then select: the path from the pooled caches to Γ(t) as a block mask, the one a decode step
     takes (nosa_decode) and the twin of the parallel forward's (select_tiles), so both pick the same blocks.
 
     q (Bz, H_q, T, d) at positions q_pos (Bz, T); K̃ (Bz, H_kv, M, d) compressed keys; nb blocks to
-    score; list_ids the list of the best n_core + k_q - 1 candidates by E, best first: one per query
-    (Bz, H_kv, T, n), from core_lists, or one per row (Bz, H_kv, n) kept by the eviction policy (a
-    decode step: kvcache.SubBlockCache); None in a mode without E-picks.
+    score; e_list_ids the E-list's ids: one per query (Bz, H_kv, T, n), from e_lists, or one per row
+    (Bz, H_kv, n) kept by the eviction policy (a decode step: kvcache.SubBlockCache); None in a mode
+    without E-picks.
     Returns the block mask (Bz, H_kv, T, nb)."""
     Q = pooling.query_aware_scores(q, K_sub, q_pos, nb, cfg)  # (Bz, H_kv, T, nb)
-    if q.shape[2] == 1 and (list_ids is None or list_ids.dim() == 3):
-        return select_step(Q, list_ids, q_pos, cfg)
-    return select_blocks(Q, None, q_pos[:, None], cfg, list_ids)
+    if q.shape[2] == 1 and (e_list_ids is None or e_list_ids.dim() == 3):
+        return select_step(Q, e_list_ids, q_pos, cfg)
+    return select_blocks(Q, None, q_pos[:, None], cfg, e_list_ids)
 
 
-def query_lists(lists, q_pos, first, cfg):
+def e_lists_of_queries(lists, q_pos, first, cfg):
     """Each query's list from its block's: lists (Bz, H_kv, n_qb, n) of blocks first.., q_pos (Bz, T)
     -> (Bz, H_kv, T, n)."""
     i = (q_pos // cfg.B - first)[:, None, :, None]
     return lists.gather(2, i.expand(*lists.shape[:2], -1, lists.shape[-1]))
 
 
-def core_lists(scores, q_pos, cfg):
-    """Each query's list of its best n_core + k_q - 1 candidates by E: scores c̃ (Bz, H_kv, M), or
+def e_lists(scores, q_pos, cfg):
+    """Each query's E-list: scores c̃ (Bz, H_kv, M), or
     h (Bz, H_kv, nb) in nosa-hh; q_pos (Bz, T) -> (Bz, H_kv, T, n)."""
     q_blk = q_pos // cfg.B
     first = int(q_blk.min())
-    return query_lists(
-        eviction.block_lists(scores, first, int(q_blk.max()), cfg)[0], q_pos, first, cfg
+    return e_lists_of_queries(
+        eviction.e_lists_by_block(scores, first, int(q_blk.max()), cfg)[0], q_pos, first, cfg
     )
 
 
-def select_step(Q, list_ids, q_pos, cfg):
+def select_step(Q, e_list_ids, q_pos, cfg):
     """select_blocks for one decode step (T = 1) from each row's list of its best candidates by E:
-    Q (Bz, H_kv, 1, nb), list_ids (Bz, H_kv, n) or None, q_pos (Bz, 1) -> the block mask
+    Q (Bz, H_kv, 1, nb), e_list_ids (Bz, H_kv, n) or None, q_pos (Bz, 1) -> the block mask
     (Bz, H_kv, 1, nb). Kernel: nosa_kernels.select_step."""
     if use_kernels(Q):
-        return nosa_kernels.select_step(Q, list_ids, q_pos, cfg)
-    return select_blocks(Q, None, q_pos[:, None], cfg, list_ids)
+        return nosa_kernels.select_step(Q, e_list_ids, q_pos, cfg)
+    return select_blocks(Q, None, q_pos[:, None], cfg, e_list_ids)
 
 
 def select_tiles(q, K_sub, lists, q_pos, nb, cfg, first):
@@ -153,8 +153,8 @@ def nosa_attention(q, k, v, c, cfg, start=0, selects_from=None):
 
     q: (Bz, H_q, T, d), k, v: (Bz, H_kv, S, d) with RoPE applied, c: (Bz, H_kv, S) eviction scores
     (None in `full` and `infllmv2` modes). selects_from: (K̃, lists) where the caller keeps them (a
-    prefill's chunks: prefill.PromptLayer), the compressed keys and the block_lists of the query
-    blocks from start // B on (None without E-picks), else made here. Returns the output
+    prefill's chunks: prefill.PromptLayer), the compressed keys and the e_lists_by_block of the
+    query blocks from start // B on (None without E-picks), else made here. Returns the output
     (Bz, H_q, T, d) and Γ(t): a block mask (Bz, H_kv, T, nb), or Tiles on the kernel path (None
     in `full` mode)."""
     Bz, _, T, _ = q.shape
@@ -171,14 +171,14 @@ def nosa_attention(q, k, v, c, cfg, start=0, selects_from=None):
                 scores = pooling.pool_mean(c, cfg)  # c̃; nosa-hh: h, from every query (start = 0)
                 if cfg.heavy_hitters:
                     scores = eviction.heavy_hitters(q, k, c, cfg)
-                lists = eviction.block_lists(scores, first, (S - 1) // cfg.B, cfg)[0]
+                lists = eviction.e_lists_by_block(scores, first, (S - 1) // cfg.B, cfg)[0]
             selects_from = pooling.compress_keys(k, cfg), lists
         K_sub, lists = selects_from
         if kernels:
             sel = select_tiles(q, K_sub, lists, q_pos, nb, cfg, first)
         else:
             Q = pooling.query_aware_scores(q, K_sub, q_pos, nb, cfg)  # (Bz, H_kv, T, nb)
-            ids = None if lists is None else query_lists(lists, q_pos, first, cfg)
+            ids = None if lists is None else e_lists_of_queries(lists, q_pos, first, cfg)
             sel = select_blocks(Q, None, q_pos[:, None], cfg, ids)
     bias = None if c is None else eviction.attention_bias(c, cfg.attn)
     attend = attention_kernels.sparse_attention if kernels else attention.sparse_attention
@@ -204,7 +204,7 @@ def nosa_decode(q, k, v, c, layer, cache, cfg):
             # (1.) K̃, c̃ and the E-list
             update_pooled(cache.sub, layer, k, c, pos, cfg)
             # 2. score and select Γ(t), by the same select as the parallel forward
-            ids = cache.sub.list_ids[layer] if cache.sub.list_ids else None
+            ids = cache.sub.e_list_ids[layer] if cache.sub.e_list_ids else None
             block_mask = select(q, cache.sub.K_sub[layer], ids, pos[:, None], nb, cfg)
     # 3.-4. the selected blocks on the device (NOSI: the set difference, the misses gathered)
     moves = "transfer" if cache.moves_blocks else "attention"  # the profiler's phases
@@ -267,27 +267,28 @@ def update_pooled(sub, layer, k, c, pos, cfg):
     """A decode step's update of the pooled state (kvcache.SubBlockCache), k (Bz, H_kv, d) and
     c (Bz, H_kv) or None at positions pos (Bz,): when a sub-block completes (every s_c tokens, per
     sequence) its mean joins K̃ and c̃, and when a block leaves the window it joins the E-list by
-    the eviction policy (eviction.join_leaver)."""
+    the eviction policy (eviction.e_list_join_leaver)."""
     ring_k, ring_c, K_sub, c_sub = (
         x[layer] for x in (sub.ring_k, sub.ring_c, sub.K_sub, sub.c_sub)
     )
     pooling.append_subblocks(ring_k, ring_c, K_sub, c_sub, k, c, pos, cfg)
-    if sub.list_ids:  # E from c̃, or in nosa-hh from h
+    if sub.e_list_ids:  # E from c̃, or in nosa-hh from h
         scores = sub.h[layer] if cfg.heavy_hitters else c_sub
-        eviction.join_leaver(sub.list_ids[layer], sub.list_E[layer], scores, pos, cfg)
+        eviction.e_list_join_leaver(sub.e_list_ids[layer], sub.e_list_E[layer], scores, pos, cfg)
 
 
 def pooled_prompt(k, c, cfg, h=None):
-    """What a decode cache keeps of a whole prompt's keys (kvcache.SubBlockCache.prefill), made at
-    once (prefill.PromptLayer makes it a chunk at a time): k (H_kv, T, d), c (H_kv, T) or None, and
-    in nosa-hh its h (H_kv, nb) (eviction.heavy_hitters: it needs the queries) -> K̃ (H_kv, M, d),
-    c̃ (H_kv, M) or None, the E-list as of the last token (ids, scores) (H_kv, n_list) or None, and h."""
+    """What a decode cache keeps of a whole prompt's keys (kvcache.SubBlockCache.prefill), made at once
+    (prefill.PromptLayer makes it a chunk at a time): k (H_kv, T, d), c (H_kv, T) or None, and in
+    nosa-hh its h (H_kv, nb) (eviction.heavy_hitters: it needs the queries) -> K̃ (H_kv, M, d), c̃
+    (H_kv, M) or None, the E-list as of the last token (ids, scores) (H_kv, n_e_list) or None, and
+    h."""
     T = k.shape[1]
     K_sub, c_sub = pooling.compress_keys(k, cfg), None if c is None else pooling.pool_mean(c, cfg)
-    if not cfg.n_list:
+    if not cfg.n_e_list:
         return K_sub, c_sub, None, h
     nb = cfg.n_blocks(T)
     b = torch.arange(nb, device=k.device)
     cand = (b >= cfg.n_sink) & (b < (T - 1) // cfg.B - cfg.n_win)  # left the window
     E = h if cfg.heavy_hitters else eviction.eviction_block_scores(c_sub, nb, cfg)  # (H_kv, nb)
-    return K_sub, c_sub, eviction.core_list(E, cand.expand_as(E), cfg.n_list), h
+    return K_sub, c_sub, eviction.e_list(E, cand.expand_as(E), cfg.n_e_list), h

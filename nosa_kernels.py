@@ -301,12 +301,12 @@ def _select_tiles_kernel(
     tl.store(T_BITS + prog * U + pad, tl.zeros([UP], tl.int32), mask=(pad >= n) & (pad < U))
 
 
-def select_step(Q, list_ids, q_pos, cfg):
+def select_step(Q, e_list_ids, q_pos, cfg):
     """nosa.select_step (same arguments and result)."""
     Bz, H_kv, _, nb = Q.shape
-    n = list_ids.shape[-1] if list_ids is not None else 0
+    n = e_list_ids.shape[-1] if e_list_ids is not None else 0
     out = torch.empty(Bz, H_kv, 1, nb, dtype=torch.int8, device=Q.device)
-    ids = list_ids.contiguous() if n else out  # not read when there is no list
+    ids = e_list_ids.contiguous() if n else out  # not read when there is no list
     _select_step_kernel[(Bz * H_kv,)](
         Q.contiguous(),
         ids,
@@ -330,7 +330,7 @@ def select_step(Q, list_ids, q_pos, cfg):
 
 def select_tiles(Q, lists, first, q_pos, cfg, BT, U):
     """Γ(t) of T queries at q_pos (Bz, T) from their scores Q (Bz, H_kv, T, nb) and each query
-    block's list (eviction.block_lists of the blocks from `first` on, or None), as
+    block's list (eviction.e_lists_by_block of the blocks from `first` on, or None), as
     nosa.select_blocks makes it, written as tiles of BT queries (attention_kernels.Tiles: each
     tile's union of at most U blocks, ascending, and a bit per query). Returns (idx, bits, n)."""
     Bz, H_kv, T, nb = Q.shape

@@ -68,7 +68,8 @@ class PromptLayer:
     """One layer's keys, values and eviction scores of one prompt as its chunks arrive, with what
     selection reads of the keys so far, kept up to date a chunk at a time: the compressed keys K̃,
     the sub-block means c̃, and each query block's list of its best candidates by E, carried from
-    chunk to chunk by the eviction policy (eviction.block_lists). `len`: the tokens written so far."""
+    chunk to chunk by the eviction policy (eviction.e_lists_by_block). `len`: the tokens written so
+    far."""
 
     def __init__(self, cfg, T, device, dtype):
         H, d, M = cfg.H_kv, cfg.head_dim, cfg.n_subblocks(T)
@@ -87,7 +88,10 @@ class PromptLayer:
         self.rewind()
 
     def rewind(self):  # a new layer
-        self.len, self.carry = 0, None  # carry: the list of the last query block (block_lists)
+        self.len, self.e_list_carry = (
+            0,
+            None,
+        )  # e_list_carry: the list of the last query block (e_lists_by_block)
         if self.h is not None:
             self.h.zero_()
 
@@ -116,8 +120,8 @@ class PromptLayer:
             if cfg.heavy_hitters:  # what the chunk's queries pay their windows, before its lists
                 scores = self.h[:, :, : cfg.n_blocks(e)]
                 eviction.heavy_hitters(q, self.k[:, :, :e], self.c[:, :, :e], cfg, start, scores)
-            lists, self.carry = eviction.block_lists(
-                scores, start // cfg.B, (e - 1) // cfg.B, cfg, self.carry
+            lists, self.e_list_carry = eviction.e_lists_by_block(
+                scores, start // cfg.B, (e - 1) // cfg.B, cfg, self.e_list_carry
             )
         return (
             self.k[:, :, :e],
@@ -130,7 +134,11 @@ class PromptLayer:
         """What the decode cache keeps of the whole prompt (kvcache.SubBlockCache.prefill): K̃ (H_kv, M, d),
         c̃ (H_kv, M), the list of the last query block (ids, E) (H_kv, n) and h (H_kv, nb), each
         None where the mode has none."""
-        e_list = None if self.carry is None else (self.carry[0][0], self.carry[1][0])
+        e_list = (
+            None
+            if self.e_list_carry is None
+            else (self.e_list_carry[0][0], self.e_list_carry[1][0])
+        )
         c_sub, h = (None if x is None else x[0] for x in (self.c_sub, self.h))
         return self.K_sub[0], c_sub, e_list, h
 

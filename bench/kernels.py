@@ -74,7 +74,9 @@ def bench_prefill(
                 def sel():  # nosa_attention's selection
                     lists = None
                     if c is not None:
-                        lists = eviction.block_lists(pooling.pool_mean(c, cfg), 0, nb - 1, cfg)[0]
+                        lists = eviction.e_lists_by_block(
+                            pooling.pool_mean(c, cfg), 0, nb - 1, cfg
+                        )[0]
                     return nosa.select_tiles(q, K_sub, lists, pos, nb, cfg, 0)
 
                 t_select = ms(sel)  # scoring included

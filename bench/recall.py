@@ -91,7 +91,7 @@ def where_the_fact_is(model, ids, t, b_fact):
         if c is not None and cfg.n_core > 0:
             scores = pooling.pool_mean(c, cfg)  # c̃, or nosa-hh's h
             scores = eviction.heavy_hitters(q, k, c, cfg) if cfg.heavy_hitters else scores
-            ids_e = nosa.core_lists(scores, pos, cfg)[:, :, 0]  # (1, H_kv, n)
+            ids_e = nosa.e_lists(scores, pos, cfg)[:, :, 0]  # (1, H_kv, n)
             pick_e = eviction.core_picks(
                 ids_e, pick_q.gather(-1, ids_e.clamp(min=0)), cfg.n_core, nb
             )

@@ -137,7 +137,7 @@ def test_parallel_selection_in_chunks_of_queries(monkeypatch):
     q_pos, nb = torch.arange(T, device=DEV).expand(Bz, T), cfg.n_blocks(T)
     K_sub, c_sub = pooling.compress_keys(k, cfg), pooling.pool_mean(c, cfg)
     with common.kernels(True):
-        lists = eviction.block_lists(c_sub, 0, nb - 1, cfg)[0]
+        lists = eviction.e_lists_by_block(c_sub, 0, nb - 1, cfg)[0]
         whole = nosa.select_tiles(q, K_sub, lists, q_pos, nb, cfg, 0)
         monkeypatch.setattr(nosa_kernels, "SELECT_ROWS", 32)
         monkeypatch.setattr(nosa_kernels, "SELECT_SCORES", 0)
@@ -147,7 +147,7 @@ def test_parallel_selection_in_chunks_of_queries(monkeypatch):
     with common.kernels(False):
         Q = pooling.query_aware_scores(q, K_sub, q_pos, nb, cfg)
         mask = nosa.select_blocks(
-            Q, None, q_pos[:, None], cfg, nosa.query_lists(lists, q_pos, 0, cfg)
+            Q, None, q_pos[:, None], cfg, nosa.e_lists_of_queries(lists, q_pos, 0, cfg)
         )
     assert torch.equal(parts.mask(nb), mask) and not mask[:, :, -1].all()
 
@@ -321,9 +321,9 @@ def test_decode_score_kernel_matches_twin(G, d, preset, M_len, over):
 @pytest.mark.parametrize("attn", ["nosa", "infllmv2", "nosa-hh"])
 @pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if DEV == "cuda" else []))
 def test_append_kernel_matches_twin(attn, dtype):
-    """A decode step's cache update (pooling.append_subblocks, eviction.join_leaver), kernels against
-    twins, step after step from the same state: the ring, K̃ and c̃ as sub-blocks complete, and the
-    eviction list as blocks leave the window (E from c̃, or from h in nosa-hh), with scores on a
+    """A decode step's cache update (pooling.append_subblocks, eviction.e_list_join_leaver), kernels
+    against twins, step after step from the same state: the ring, K̃ and c̃ as sub-blocks complete,
+    and the eviction list as blocks leave the window (E from c̃, or from h in nosa-hh), with scores on a
     coarse grid so that a newcomer often ties with members."""
     from kvcache import SubBlockCache
 
@@ -343,31 +343,33 @@ def test_append_kernel_matches_twin(attn, dtype):
         for name, x in start.items():
             getattr(s, name)[0][:, :, : x.shape[2]] = x
     if cfg.eviction_head:
-        ids, E = eviction.core_list(
+        ids, E = eviction.e_list(
             grid(Bz, H, 6),
             torch.ones(Bz, H, 6, dtype=torch.bool, device=DEV),
-            caches[0].list_ids[0].shape[-1],
+            caches[0].e_list_ids[0].shape[-1],
         )
         for s in caches:
-            s.list_ids[0].copy_(ids)
-            s.list_E[0].copy_(E)
+            s.e_list_ids[0].copy_(ids)
+            s.e_list_E[0].copy_(E)
     # sub-blocks and blocks complete at different steps per row
     pos = torch.tensor([97, 150, 255], device=DEV)
     n_joins = 0
     for step in range(70):
         k = torch.randn(Bz, H, d, device=DEV, dtype=dtype)
         c = grid(Bz, H) if cfg.eviction_head else None
-        before = caches[0].list_ids[0].clone() if cfg.eviction_head else None
+        before = caches[0].e_list_ids[0].clone() if cfg.eviction_head else None
         for s, twin in zip(caches, (True, False)):
             with common.kernels(not twin):
                 append = pooling.append_subblocks if twin else pooling_kernels.append_subblocks
                 append(s.ring_k[0], s.ring_c[0], s.K_sub[0], s.c_sub[0], k, c, pos, cfg)
                 if cfg.eviction_head:
-                    join = eviction.join_leaver if twin else eviction_kernels.join_leaver
+                    join = (
+                        eviction.e_list_join_leaver if twin else eviction_kernels.e_list_join_leaver
+                    )
                     scores = s.h[0] if cfg.heavy_hitters else s.c_sub[0]
-                    join(s.list_ids[0], s.list_E[0], scores, pos, cfg)
+                    join(s.e_list_ids[0], s.e_list_E[0], scores, pos, cfg)
         for name in ("ring_k", "K_sub") + (
-            ("ring_c", "c_sub", "list_ids", "list_E") if cfg.eviction_head else ()
+            ("ring_c", "c_sub", "e_list_ids", "e_list_E") if cfg.eviction_head else ()
         ):
             want, got = getattr(caches[0], name)[0], getattr(caches[1], name)[0]
             assert torch.allclose(
@@ -376,7 +378,7 @@ def test_append_kernel_matches_twin(attn, dtype):
                 rtol=1e-2 if dtype == torch.bfloat16 else 1e-6,
                 atol=1e-6,
             ), (step, name)
-        n_joins += int(cfg.eviction_head and not torch.equal(before, caches[0].list_ids[0]))
+        n_joins += int(cfg.eviction_head and not torch.equal(before, caches[0].e_list_ids[0]))
         pos += 1
     assert not cfg.eviction_head or n_joins >= 3  # the list did change, more than once
 

@@ -247,7 +247,7 @@ def test_select_step_kernel_equals_twin(cfg, data, attn):
             else values[torch.randint(0, 5, (Bz, H, nb), generator=g)]
         )
         # E = Q: the list and Q's picks overlap
-        ids = eviction.core_list(E, cand.expand(Bz, H, nb), n)[0]
+        ids = eviction.e_list(E, cand.expand(Bz, H, nb), n)[0]
         ids = ids.to(dev)
     want = nosa.select_step(Q, None if ids is None else ids.cpu(), pos, cfg)  # the twin, on the CPU
     got = nosa_kernels.select_step(Q.to(dev), ids, pos.to(dev), cfg)
@@ -279,7 +279,7 @@ def test_select_tiles_kernel_equals_twin(cfg, data, attn):
     lists = None
     if cfg.eviction_head and cfg.n_core > 0:  # E from sub-block means of c of a few values: ties
         c_sub = torch.randint(0, 3, (Bz, H, cfg.n_subblocks(start + T)), generator=g).float()
-        lists = eviction.block_lists(c_sub, first, nb - 1, cfg)[0]
+        lists = eviction.e_lists_by_block(c_sub, first, nb - 1, cfg)[0]
     U = min(nb, BT * cfg.k)
     want = tiles_twin(Q, lists, first, q_pos, cfg, BT, U)
     # few groups: many keys to keep, and rows with too many
@@ -297,14 +297,14 @@ def test_select_tiles_kernel_equals_twin(cfg, data, attn):
     )
     for w, x in zip(want, got):
         assert torch.equal(x.cpu(), w)
-    ids = None if lists is None else nosa.query_lists(lists, q_pos, first, cfg)
+    ids = None if lists is None else nosa.e_lists_of_queries(lists, q_pos, first, cfg)
     mask = nosa.select_blocks(Q, None, q_pos[:, None], cfg, ids)
     assert torch.equal(Tiles(*want, BT, T).mask(nb), mask)
 
 
 def tiles_twin(Q, lists, first, q_pos, cfg, BT, U):
     """What nosa_kernels.select_tiles writes, from the definition: select_blocks' mask as Tiles."""
-    ids = None if lists is None else nosa.query_lists(lists, q_pos, first, cfg)
+    ids = None if lists is None else nosa.e_lists_of_queries(lists, q_pos, first, cfg)
     tiles = Tiles.from_mask(nosa.select_blocks(Q, None, q_pos[:, None], cfg, ids), BT, U)
     return tiles.idx, tiles.bits, tiles.n
 
@@ -389,9 +389,9 @@ def test_parallel_selection_equals_decode_selection(tied):
         nb = cfg.n_blocks(int(pos.max()) + 1)
         q_t = q[rows, :, pos][:, :, None]
         # from c̃, the lists from block 0 on
-        lists = nosa.core_lists(sub.c_sub[0], pos[:, None], cfg)
+        lists = nosa.e_lists(sub.c_sub[0], pos[:, None], cfg)
         dec = nosa.select(q_t, sub.K_sub[0], lists, pos[:, None], nb, cfg)[:, :, 0]
-        dec_list = nosa.select(q_t, sub.K_sub[0], sub.list_ids[0], pos[:, None], nb, cfg)[:, :, 0]
+        dec_list = nosa.select(q_t, sub.K_sub[0], sub.e_list_ids[0], pos[:, None], nb, cfg)[:, :, 0]
         for i in range(Bz):
             p = int(pos[i])
             nbi = cfg.n_blocks(p + 1)
@@ -418,34 +418,34 @@ def test_bad_configs_raise(bad, msg):
         Config.from_preset("tiny", **bad)
 
 
-def test_core_list_kept_by_the_policy_equals_the_list_from_scratch():
+def test_e_list_kept_by_the_policy_equals_the_list_from_scratch():
     """Decoding keeps each row's best n candidates by E by letting every block that leaves the window
-    compete with the list (eviction.join_core_list); that is the list made from scratch, in the same
+    compete with the list (eviction.e_list_join); that is the list made from scratch, in the same
     order (best first, ties to the more recent block), whatever the scores: here with many ties."""
     g = torch.Generator().manual_seed(0)
     for trial in range(30):
         nb, n, start = 40, 1 + trial % 8, trial % 5
         E = torch.randint(0, 4, (3, nb), generator=g).double()  # 3 rows
         b = torch.arange(nb)
-        ids, E_ids = eviction.core_list(E, (b < start).expand(3, nb), n)
+        ids, E_ids = eviction.e_list(E, (b < start).expand(3, nb), n)
         for j in range(start, nb):
             b_new = torch.full((3,), j)
-            ids, E_ids = eviction.join_core_list(ids, E_ids, b_new, E[:, j])
-            want_ids, want_E = eviction.core_list(E, (b <= j).expand(3, nb), n)
+            ids, E_ids = eviction.e_list_join(ids, E_ids, b_new, E[:, j])
+            want_ids, want_E = eviction.e_list(E, (b <= j).expand(3, nb), n)
             assert torch.equal(ids, want_ids) and torch.equal(E_ids, want_E), (trial, j)
         # no block leaves
-        ids2, _ = eviction.join_core_list(ids, E_ids, torch.full((3,), -1), torch.zeros(3))
+        ids2, _ = eviction.e_list_join(ids, E_ids, torch.full((3,), -1), torch.zeros(3))
         assert torch.equal(ids2, ids)
 
 
 @pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(cfg=configs(), data=st.data(), attn=st.sampled_from(["nosa", "dma", "nosa-hh"]))
-def test_block_lists_kept_chunk_by_chunk_equal_the_lists_from_scratch(cfg, data, attn):
+def test_e_lists_by_block_kept_chunk_by_chunk_equal_the_lists_from_scratch(cfg, data, attn):
     """Each query block's list of its best candidates by E, kept by the eviction policy as a chunked
-    prefill keeps it (eviction.block_lists, carried from chunk to chunk; its Triton kernel, interpreted on
-    CPU, and its torch loop) == the list from scratch (eviction.core_list) for every query block:
-    random configs and chunk boundaries (mid-block too), E with ties and -inf."""
+    prefill keeps it (eviction.e_lists_by_block, carried from chunk to chunk; its Triton kernel,
+    interpreted on CPU, and its torch loop) == the list from scratch (eviction.e_list) for every
+    query block: random configs and chunk boundaries (mid-block too), E with ties and -inf."""
     from dataclasses import replace
 
     cfg = replace(cfg, attn=attn)
@@ -460,38 +460,36 @@ def test_block_lists_kept_chunk_by_chunk_equal_the_lists_from_scratch(cfg, data,
     if cfg.heavy_hitters:  # E is h itself, one score a block
         c_sub = E = torch.randint(0, 4, (2, 2, nb), generator=g).float()
     ends = sorted(set(data.draw(st.lists(st.integers(1, S), max_size=4)) + [S]))  # the chunks' ends
-    carry = carry_gpu = None
+    e_list_carry = e_list_carry_gpu = None
     start = 0
     for e in ends:
         first, last = start // cfg.B, (e - 1) // cfg.B
-        lists, carry = eviction.block_lists(c_sub, first, last, cfg, carry)
-        got, carry_gpu = eviction_kernels.block_lists(
+        lists, e_list_carry = eviction.e_lists_by_block(c_sub, first, last, cfg, e_list_carry)
+        got, e_list_carry_gpu = eviction_kernels.e_lists_by_block(
             c_sub.to(dev),
             first,
             last,
             cfg,
-            carry_gpu
-            or tuple(x.to(dev) for x in eviction.block_lists(c_sub, 0, 0, cfg)[1][:2]) + (0,),
+            e_list_carry_gpu
+            or tuple(x.to(dev) for x in eviction.e_lists_by_block(c_sub, 0, 0, cfg)[1][:2]) + (0,),
         )
         assert (
             torch.equal(got.cpu(), lists)
-            and torch.equal(carry_gpu[0].cpu(), carry[0])
-            and carry_gpu[2] == last
+            and torch.equal(e_list_carry_gpu[0].cpu(), e_list_carry[0])
+            and e_list_carry_gpu[2] == last
         )
         b = torch.arange(nb)
         for qb in range(first, last + 1):
-            want = eviction.core_list(
-                E, ((b >= cfg.n_sink) & (b < qb - cfg.n_win)).expand_as(E), n
-            )[0]
+            want = eviction.e_list(E, ((b >= cfg.n_sink) & (b < qb - cfg.n_win)).expand_as(E), n)[0]
             assert torch.equal(lists[:, :, qb - first], want), (qb, first, last)
         start = e
 
 
 @settings(max_examples=60, deadline=None)
 @given(cfg=configs(), data=st.data(), attn=st.sampled_from(["nosa", "dma", "nosa-hh"]))
-def test_selection_from_block_lists_equals_the_definition(cfg, data, attn):
+def test_selection_from_e_lists_by_block_equals_the_definition(cfg, data, attn):
     """The parallel forward selects from each query block's list of its best candidates by E
-    (nosa.core_lists, the list decoding keeps), not by ranking every block for every query: the same
+    (nosa.e_lists, the list decoding keeps), not by ranking every block for every query: the same
     blocks as select_blocks from E itself, for random configs, ragged positions and many ties."""
     from dataclasses import replace
 
@@ -511,11 +509,11 @@ def test_selection_from_block_lists_equals_the_definition(cfg, data, attn):
         c_sub = E = torch.randint(0, 4, (Bz, H, nb), generator=g).double()
     Q = torch.randint(0, 4, (Bz, H, T, nb), generator=g).double()
     want = nosa.select_blocks(Q, E, q_pos[:, None], cfg)
-    got = nosa.select_blocks(Q, None, q_pos[:, None], cfg, nosa.core_lists(c_sub, q_pos, cfg))
+    got = nosa.select_blocks(Q, None, q_pos[:, None], cfg, nosa.e_lists(c_sub, q_pos, cfg))
     assert torch.equal(got, want)
 
 
-def test_block_lists_before_the_first_whole_subblock():
+def test_e_lists_by_block_before_the_first_whole_subblock():
     """Queries before the first whole sub-block (l_c > B here): no block has an E yet, and the lists
     give the definition's blocks (a case hypothesis found: E of a block over no sub-blocks)."""
     cfg = Config.from_preset("tiny", B=2, l_c=4, s_c=2, n_sink=0, n_win=1, k=2, k_q=1)
@@ -528,7 +526,7 @@ def test_block_lists_before_the_first_whole_subblock():
     Q = torch.randn(2, 2, 5, 1, dtype=torch.float64)
     want = nosa.select_blocks(Q, eviction.eviction_block_scores(c_sub, 1, cfg), q_pos[:, None], cfg)
     assert torch.equal(
-        nosa.select_blocks(Q, None, q_pos[:, None], cfg, nosa.core_lists(c_sub, q_pos, cfg)), want
+        nosa.select_blocks(Q, None, q_pos[:, None], cfg, nosa.e_lists(c_sub, q_pos, cfg)), want
     )
 
 
@@ -559,7 +557,7 @@ def test_minus_inf_scores_still_fill_the_budget(inf_in):
     pos = torch.tensor([[t]])
     want = nosa.select_blocks(Q, E, pos[:, None], cfg)
     assert (want.sum(-1) == cfg.k).all() and not want[..., t // cfg.B + 1 :].any()
-    lists = nosa.core_lists(c_sub, pos, cfg)
+    lists = nosa.e_lists(c_sub, pos, cfg)
     assert torch.equal(nosa.select_blocks(Q, None, pos[:, None], cfg, lists), want)
     row_list = lists[:, :, 0]  # what decoding keeps, one list per row
     assert torch.equal(nosa.select_step(Q, row_list, pos, cfg), want)  # the twin, on the CPU

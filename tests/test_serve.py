@@ -69,7 +69,12 @@ def row_state(cache, seq, T):
     state = [cache.len[seq : seq + 1], cache.active[seq : seq + 1]]
     for i in range(cfg.n_layer):
         state += [cache.c[i][seq, :, :T], sub.K_sub[i][seq, :, :M], sub.c_sub[i][seq, :, :M]]
-        state += [sub.ring_k[i][seq], sub.ring_c[i][seq], sub.list_ids[i][seq], sub.list_E[i][seq]]
+        state += [
+            sub.ring_k[i][seq],
+            sub.ring_c[i][seq],
+            sub.e_list_ids[i][seq],
+            sub.e_list_E[i][seq],
+        ]
         if isinstance(cache, KVCache):
             state += [cache.k[i][seq, :, :T], cache.v[i][seq, :, :T]]
         else:
