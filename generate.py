@@ -35,7 +35,6 @@ import tp
 from config import Config
 from kvcache import KVCache
 from model import Transformer
-from offload import OffloadCache
 from prefill import prefill
 
 PROMPT_FILE = os.path.join(checkpoint.ROOT, "prompt.txt")  # about 400 tokens: sparsity at work
@@ -222,7 +221,10 @@ def main(**flags):
     plan(o, model, pl)
     rows = [ids[i % len(ids)] for i in range(batch)]  # prompts are cycled over the batch
     pl.micro = speed_up(o, model, pl, rows)
-    cache = make_cache(o, model, pl, rows)
+    cache = offload.make_cache(
+        model.cfg, pl.batch, pl.device, pl.dtype, pl.max_len, offload=o.offload, host_budget=pl.host
+    )
+    warm_up(o, model, cache, pl, rows)
     if pl.serving:
         return serve_requests(o, model, tokenizer, cache, pl, list(zip(ids, news, names)))
     ids = rows
@@ -305,24 +307,17 @@ def plan(o, model, pl):
         print(tight, file=sys.stderr)
 
 
-def make_cache(o, model, pl, ids):
-    """The decode cache (offloaded or resident), warmed up on a GPU: uva_copy.cu built and the
-    kernels compiled on short prompts of two lengths (so that torch.compile makes a prefill's
-    graph for any chunk length here, not in the timed run)."""
-    cfg, dev, dtype = model.cfg, pl.device, pl.dtype
+def warm_up(o, model, cache, pl, ids):
+    """On a GPU, before the timed run: uva_copy.cu built and the kernels compiled by generating 2
+    tokens from short prompts of two lengths (so that torch.compile makes a prefill's graph for any
+    chunk length here); the offload statistics then start from zero."""
+    if pl.device.type != "cuda":
+        return
+    warm = [p[: 64 + i % 2] for i, p in enumerate(ids)]
+    generate(model, warm, 2, o.temperature, o.top_k, cache, chunk=pl.chunk, micro_batches=pl.micro)
+    torch.cuda.synchronize()
     if o.offload:
-        cache = OffloadCache(cfg, pl.batch, dev, dtype, pl.max_len, host_budget=pl.host)
-    else:
-        cache = KVCache(cfg, pl.batch, dev, dtype, pl.max_len)
-    if dev.type == "cuda":
-        warm = [p[: 64 + i % 2] for i, p in enumerate(ids)]
-        generate(
-            model, warm, 2, o.temperature, o.top_k, cache, chunk=pl.chunk, micro_batches=pl.micro
-        )
-        torch.cuda.synchronize()
-        if o.offload:
-            cache.reset_stats()
-    return cache
+        cache.reset_stats()
 
 
 def load(o, device, dtype):

@@ -37,7 +37,7 @@ import torch
 import memory
 import offload_kernels
 from common import use_kernels
-from kvcache import Blocks, Cache, SubBlockCache, grow, write_now
+from kvcache import Blocks, Cache, KVCache, SubBlockCache, grow, write_now
 
 
 def needed_blocks(sel, pos, active, H_kv, B, k):
@@ -442,3 +442,11 @@ class OffloadCache(Cache):
             cfg.H_kv,
             cfg.B,
         )
+
+
+def make_cache(cfg, Bz, device, dtype, max_len, *, offload, host_budget=None):
+    """The decode cache of Bz sequences a system runs: offloaded to pinned host memory (NOSI,
+    OffloadCache, host_budget checked) or resident on the device (kvcache.KVCache)."""
+    if offload:
+        return OffloadCache(cfg, Bz, device, dtype, max_len=max_len, host_budget=host_budget)
+    return KVCache(cfg, Bz, device, dtype, max_len)

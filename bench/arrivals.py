@@ -15,8 +15,9 @@ import time
 import numpy as np
 import torch
 
+import offload
 import serve
-from bench.requests import free, largest_plan, new_cache, seconds
+from bench.requests import free, largest_plan, seconds
 from bench.throughput import SHAPES, SYSTEMS
 from config import Config
 
@@ -107,7 +108,9 @@ def bench_arrivals(
         if Bz == 0:
             rows.append(dict(system=label, rate=None, batch=0))
             continue
-        cache = new_cache(cfg, Bz, dev, dtype, max_len, host, use_offload)
+        cache = offload.make_cache(
+            cfg, Bz, dev, dtype, max_len, offload=use_offload, host_budget=host
+        )
         decode = GraphedDecode(model, cache, 2 if use_offload and Bz >= 16 else 1)
         pick = lambda logits: logits.argmax(-1)
         c = chunk or 64  # compiles what the timed runs launch: chunks whole and ragged (dynamic)

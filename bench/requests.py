@@ -27,7 +27,6 @@ import offload
 import serve
 from bench.throughput import SHAPES, SYSTEMS, fill_random
 from config import Config
-from kvcache import KVCache
 from prefill import prefill
 
 
@@ -122,7 +121,9 @@ def bench_requests(
         if Bz == 0:
             print(row, flush=True)
             continue
-        cache = new_cache(cfg, Bz, dev, dtype, max_len, host, use_offload)
+        cache = offload.make_cache(
+            cfg, Bz, dev, dtype, max_len, offload=use_offload, host_budget=host
+        )
         idx = torch.randint(0, cfg.vocab_size, (1, prompt_len), device=dev)
         # a whole prefill first: it compiles every kernel the timed one launches (the selection kernel once per
         # power of two of the block count, which grows with the prompt), so the timed one is the steady state
@@ -144,7 +145,9 @@ def bench_requests(
         if last:  # its own step, on a cache of that many rows
             del cache
             free(cuda)
-            cache = new_cache(cfg, last, dev, dtype, max_len, host, use_offload)
+            cache = offload.make_cache(
+                cfg, last, dev, dtype, max_len, offload=use_offload, host_budget=host
+            )
             fill_random(cache, cfg, last, prompt_len, dev, dtype)
             t_last = timed_steps(GraphedDecode(model, cache), last, cfg, steps, dev, sync)
             row.update(last_batch=last, last_step_ms=round(t_last * 1e3, 2))
@@ -182,13 +185,6 @@ def vs_full(rows, new_tokens):
             if base:
                 r[f"G{G}"]["vs_full"] = round(base / r[f"G{G}"]["total_s"], 2)
     return rows
-
-
-def new_cache(cfg, n, dev, dtype, max_len, host, use_offload):
-    """The decode cache of n rows a system runs: offloaded (NOSI) or resident."""
-    if use_offload:
-        return offload.OffloadCache(cfg, n, dev, dtype, max_len=max_len, host_budget=host)
-    return KVCache(cfg, n, dev, dtype, max_len)
 
 
 def free(cuda):
@@ -257,7 +253,9 @@ def bench_served(
             print(row, flush=True)
             continue
         micro = 2 if use_offload and Bz >= 16 else 1
-        cache = new_cache(cfg, Bz, dev, dtype, max_len, host, use_offload)
+        cache = offload.make_cache(
+            cfg, Bz, dev, dtype, max_len, offload=use_offload, host_budget=host
+        )
         prompt = lambda: torch.randint(0, cfg.vocab_size, (prompt_len,)).tolist()
         pick = lambda logits: logits.argmax(-1)
         for i, G in enumerate((8,) + tuple(new_tokens)):  # 0: compiles what the others launch

@@ -135,7 +135,6 @@ def bench_throughput(
     counts of blocks are its own heads'."""
     from dataclasses import replace
 
-    from kvcache import KVCache
     from model import Transformer
 
     rank, world = common.start_processes()[:2] if tp > 1 else (0, 1)
@@ -171,10 +170,8 @@ def bench_throughput(
             fast.compile_model(model)
         cfg = model.cfg
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
-        new_cache = lambda n: (
-            offload.OffloadCache(cfg, n, dev, dtype, max_len=max_len, host_budget=host_budget)
-            if use_offload
-            else KVCache(cfg, n, dev, dtype, max_len)
+        new_cache = lambda n: offload.make_cache(
+            cfg, n, dev, dtype, max_len, offload=use_offload, host_budget=host_budget
         )
         act0, act1 = activation_bytes(model, new_cache, prompt_len, mb) if cuda else (0, 0)
         free = budget_gb * 2**30 - weights
