@@ -73,20 +73,29 @@ def check_host(cfg, Bz, max_len, dtype, host_budget, offload=True):
         )
 
 
-def max_batch(cfg, max_len, dtype, gpu_budget, host_budget=None, offload=True, limit=4096):
-    """The largest batch whose cache fits both budgets (0 if none does)."""
-    fits = lambda n: all(
-        need <= budget
-        for need, budget in zip(
-            cache_bytes(cfg, n, max_len, dtype, offload), (gpu_budget, host_budget)
-        )
-        if budget is not None
-    )
+def largest(fits, limit):
+    """The largest n in 0 .. limit with fits(n), for a test that holds up to some n and not beyond
+    (memory grows with the batch): a binary search. 0 if none fits."""
     lo, hi = 0, limit
-    while lo < hi:  # binary search: the cache grows with the batch
+    while lo < hi:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
     return lo
+
+
+def max_batch(
+    cfg, max_len, dtype, gpu_budget, host_budget=None, offload=True, *, limit=4096, per_seq=0
+):
+    """The largest batch up to limit whose cache fits both budgets (None: not checked), with per_seq
+    bytes of activations a sequence beside it on the GPU (0 if none fits)."""
+
+    def fits(n):
+        gpu, host = cache_bytes(cfg, n, max_len, dtype, offload)
+        return (gpu_budget is None or gpu + per_seq * n <= gpu_budget) and (
+            host_budget is None or host <= host_budget
+        )
+
+    return largest(fits, limit)
 
 
 # the chunk sizes a prefill may take, largest first
@@ -185,15 +194,15 @@ def plan_memory(
                 ):
                     return c, on_host
     least = prefill_bytes(cfg, prompt_len, min(chunks), dtype, True)
-    n = 0
-    while (
-        n < Bz
-        and weights
-        + cache_bytes(cfg, n + 1, max_len, dtype, offload)[0]
-        + both(least, decode_bytes(cfg, n + 1, max_len, dtype))
-        <= gpu_budget
-    ):
-        n += 1
+    n = largest(
+        lambda n: (
+            weights
+            + cache_bytes(cfg, n, max_len, dtype, offload)[0]
+            + both(least, decode_bytes(cfg, n, max_len, dtype))
+            <= gpu_budget
+        ),
+        Bz,
+    )
     raise MemoryError(
         f"a GPU budget of {gib(gpu_budget)} does not fit: the weights take {gib(weights)}, the cache of "
         f"batch {Bz} x {max_len} tokens {gib(need_gpu)}, which leaves {gib(room)} where a prefill of "

@@ -33,23 +33,19 @@ from prefill import prefill
 def largest_plan(cfg, weights, requests, prompt_len, max_len, dtype, budget, host, use_offload,
                  served=False):  # fmt: skip
     """The largest batch up to `requests` that plan_memory accepts, with its (chunk, stream_on_host)."""
-    for Bz in range(requests, 0, -1):
+    plan = lambda Bz: memory.plan_memory(
+        cfg, weights, Bz, prompt_len, max_len, dtype, budget, host if use_offload else None,
+        use_offload, served=served,
+    )  # fmt: skip
+
+    def fits(Bz):
         try:
-            return Bz, memory.plan_memory(
-                cfg,
-                weights,
-                Bz,
-                prompt_len,
-                max_len,
-                dtype,
-                budget,
-                host if use_offload else None,
-                use_offload,
-                served=served,
-            )
+            return bool(plan(Bz))
         except MemoryError:
-            continue
-    return 0, (None, False)
+            return False
+
+    Bz = memory.largest(fits, requests)
+    return Bz, plan(Bz) if Bz else (None, False)
 
 
 def seconds(t):

@@ -174,24 +174,16 @@ def bench_throughput(
             cfg, n, dev, dtype, max_len, offload=use_offload, host_budget=host_budget
         )
         act0, act1 = activation_bytes(model, new_cache, prompt_len, mb) if cuda else (0, 0)
-        free = budget_gb * 2**30 - weights
-        Bz = min(
-            batch_limit,
-            memory.max_batch(
-                cfg,
-                max_len,
-                dtype,
-                free - act0,
-                host_budget if use_offload else None,
-                offload=use_offload,
-            ),
+        Bz = memory.max_batch(
+            cfg,
+            max_len,
+            dtype,
+            budget_gb * 2**30 - weights - act0,
+            host_budget if use_offload else None,
+            offload=use_offload,
+            limit=batch_limit,
+            per_seq=act1,
         )
-        while (
-            Bz
-            and memory.cache_bytes(cfg, Bz, max_len, dtype, use_offload)[0] + act0 + act1 * Bz
-            > free
-        ):
-            Bz -= 1
         row = dict(system=system, micro_batches=mb, batch=Bz) | ({"tp": world} if world > 1 else {})
         rows.append(row)
         if Bz == 0:
