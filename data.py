@@ -217,7 +217,7 @@ def prepare(data_dir, vocab_size, data=None, tokenizer=None, end=EOT):
 
 
 def get_batch(
-    data, batch_size, T, seed, step, rank, device, tasks=0.0, tok=None, answer_weight=1.0
+    data, batch_size, T, *, seed, step, rank, device, tasks=0.0, tok=None, answer_weight=1.0
 ):
     """Random windows of T+1 tokens, a fraction `tasks` of them replaced by long-range recall tasks
     (tasks.py, their filler from the same data); the draw depends only on (seed, step, rank), so a

@@ -60,6 +60,7 @@ def generate(
     model,
     prompts,
     max_new_tokens,
+    *,
     temperature=0.0,
     top_k=None,
     cache=None,
@@ -239,9 +240,9 @@ def main(**flags):
             model,
             ids,
             o.max_new_tokens,
-            o.temperature,
-            o.top_k,
-            cache,
+            temperature=o.temperature,
+            top_k=o.top_k,
+            cache=cache,
             eos_ids=model.eos_ids,
             on_token=printer,
             chunk=pl.chunk,
@@ -298,8 +299,8 @@ def plan(o, model, pl):
         pl.host = memory.host_bytes_available()
     cfg, Bz = model.cfg, pl.batch
     pl.chunk, pl.on_host = memory.plan_memory(
-        cfg, pl.weights, Bz, pl.P, pl.max_len, pl.dtype, pl.gpu, pl.host, o.offload, o.chunk,
-        pl.serving,
+        cfg, pl.weights, Bz, pl.P, pl.max_len, pl.dtype, gpu_budget=pl.gpu, host_budget=pl.host,
+        offload=o.offload, chunk=o.chunk, served=pl.serving,
     )  # fmt: skip
     need_host = memory.cache_bytes(cfg, Bz, pl.max_len, pl.dtype)[1]
     tight = o.offload and memory.host_warning(need_host)
@@ -314,7 +315,10 @@ def warm_up(o, model, cache, pl, ids):
     if pl.device.type != "cuda":
         return
     warm = [p[: 64 + i % 2] for i, p in enumerate(ids)]
-    generate(model, warm, 2, o.temperature, o.top_k, cache, chunk=pl.chunk, micro_batches=pl.micro)
+    generate(
+        model, warm, 2, temperature=o.temperature, top_k=o.top_k, cache=cache, chunk=pl.chunk,
+        micro_batches=pl.micro,
+    )  # fmt: skip
     torch.cuda.synchronize()
     if o.offload:
         cache.reset_stats()
@@ -446,7 +450,16 @@ def serve_requests(o, model, tokenizer, cache, pl, requests):
     with jsonl or contextlib.nullcontext(), console.profiler(o.profile, device) as prof:
         decode = fast.GraphedDecode(model, cache, pl.micro)
         serve.serve(
-            model, reqs, cache, pick, model.eos_ids, pl.chunk, pl.on_host, decode, budget, done
+            model,
+            reqs,
+            cache,
+            pick,
+            eos_ids=model.eos_ids,
+            chunk=pl.chunk,
+            on_host=pl.on_host,
+            decode=decode,
+            budget=budget,
+            on_done=done,
         )
     total, ttft = time.perf_counter() - t0, sorted(r.t_first for r in reqs)
     console.export_trace(prof, o.profile)

@@ -162,6 +162,7 @@ def plan_memory(
     prompt_len,
     max_len,
     dtype,
+    *,
     gpu_budget=None,
     host_budget=None,
     offload=True,

@@ -201,7 +201,7 @@ class Budget:
 
 
 @torch.no_grad()
-def serve(model, requests, cache, pick, eos_ids=(), chunk=None, on_host=False, decode=None,
+def serve(model, requests, cache, pick, *, eos_ids=(), chunk=None, on_host=False, decode=None,
           budget=None, on_done=None):  # fmt: skip
     """Serve `requests` (Request) over the cache's rows, in order of arrival (each admitted no
     sooner than its arrival); returns them answered. pick(logits (n, vocab)) -> (n,) tokens: the

@@ -319,13 +319,13 @@ def train_steps(o, job, step):
                 job.train_data,
                 o.batch_size,
                 o.seq_len,
-                o.seed,
-                step,
-                job.rank,
-                device,
-                o.tasks,
-                job.tok,
-                o.answer_weight,
+                seed=o.seed,
+                step=step,
+                rank=job.rank,
+                device=device,
+                tasks=o.tasks,
+                tok=job.tok,
+                answer_weight=o.answer_weight,
             )
             if job.teacher:
                 job.teacher.queries(o.seq_len, o.seed, step, job.rank, device)

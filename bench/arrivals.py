@@ -119,7 +119,7 @@ def bench_arrivals(
             for n in (64, c + 37, c // 2 + 5)
             if n + 4 <= max_len
         ]
-        serve.serve(model, warm, cache, pick, (), chunk, on_host, decode)
+        serve.serve(model, warm, cache, pick, chunk=chunk, on_host=on_host, decode=decode)
         within = []
         for rate in sorted(rates):
             reqs = workload(requests, rate, prompt_lens, new_tokens, cfg.vocab_size, seed, lengths)
@@ -127,7 +127,16 @@ def bench_arrivals(
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
-            serve.serve(model, reqs, cache, pick, (), chunk, on_host, decode, step_budget)
+            serve.serve(
+                model,
+                reqs,
+                cache,
+                pick,
+                chunk=chunk,
+                on_host=on_host,
+                decode=decode,
+                budget=step_budget,
+            )
             total = time.perf_counter() - t0
             ttft = spread([r.t_first for r in reqs])
             tbt = spread([g for r in reqs for g in r.gaps()] or [0.0])

@@ -103,7 +103,7 @@ def long_generation(control, systems_, val, dev, n=8, prompt=2048, new=2048):
         )
         torch.manual_seed(0)
         cache = KVCache(model.cfg, n, dev, judge.embed_tokens.weight.dtype, prompt + new)
-        outs = generate(model, prompts, new, 0.8, 50, cache=cache)
+        outs = generate(model, prompts, new, temperature=0.8, top_k=50, cache=cache)
         x = torch.tensor([p + o[:new] for p, o in zip(prompts, outs)], device=dev)
         logits = judge(x[:, :-1])[:, prompt - 1 :].float()
         nll = F.cross_entropy(logits.flatten(0, 1), x[:, prompt:].flatten(), reduction="none")
@@ -263,7 +263,7 @@ def bench_pretrained(
             generate(model, warm, 2, cache=cache)
             cache.reset_stats()
             torch.manual_seed(0)
-            generate(model, prompt_ids, new_tokens, 0.8, 50, cache=cache)
+            generate(model, prompt_ids, new_tokens, temperature=0.8, top_k=50, cache=cache)
             s = cache.stats
             steps, moved = max(s.steps, 1), s.moved.sum().item()
             offload.append(

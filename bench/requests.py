@@ -34,8 +34,8 @@ def largest_plan(cfg, weights, requests, prompt_len, max_len, dtype, budget, hos
                  served=False):  # fmt: skip
     """The largest batch up to `requests` that plan_memory accepts, with its (chunk, stream_on_host)."""
     plan = lambda Bz: memory.plan_memory(
-        cfg, weights, Bz, prompt_len, max_len, dtype, budget, host if use_offload else None,
-        use_offload, served=served,
+        cfg, weights, Bz, prompt_len, max_len, dtype, gpu_budget=budget,
+        host_budget=host if use_offload else None, offload=use_offload, served=served,
     )  # fmt: skip
 
     def fits(Bz):
@@ -261,7 +261,7 @@ def bench_served(
                 torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
             decode = GraphedDecode(model, cache, micro)
-            serve.serve(model, reqs, cache, pick, (), chunk, on_host, decode)
+            serve.serve(model, reqs, cache, pick, chunk=chunk, on_host=on_host, decode=decode)
             total, ttft = time.perf_counter() - t0, sorted(r.t_first for r in reqs)
             if not i:
                 continue

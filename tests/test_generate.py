@@ -154,15 +154,17 @@ def test_memory_plan_picks_the_chunk_and_says_what_fits():
     cfg = Config.from_preset("paper-8b")
     weights, P, budget = 15.66e9, 131072, 24 * 2**30
     with pytest.raises(MemoryError, match=r"at most \d+ sequences fit") as e:
-        memory.plan_memory(cfg, weights, 40, P, P + 1024, torch.bfloat16, budget)
+        memory.plan_memory(cfg, weights, 40, P, P + 1024, torch.bfloat16, gpu_budget=budget)
     n = int(str(e.value).split("at most ")[1].split()[0])
-    chunk, on_host = memory.plan_memory(cfg, weights, n, P, P + 1024, torch.bfloat16, budget)
+    chunk, on_host = memory.plan_memory(
+        cfg, weights, n, P, P + 1024, torch.bfloat16, gpu_budget=budget
+    )
     # the benchmark's batch, with a prefill beside it
     assert chunk in memory.PREFILL_CHUNKS and n >= 28
     # bounded by the chunk, not T x vocab
     assert memory.prefill_bytes(cfg, P, chunk, torch.bfloat16, on_host) < 3e9
     with pytest.raises(MemoryError, match="at most"):
-        memory.plan_memory(cfg, weights, n + 1, P, P + 1024, torch.bfloat16, budget)
+        memory.plan_memory(cfg, weights, n + 1, P, P + 1024, torch.bfloat16, gpu_budget=budget)
     with pytest.raises(MemoryError, match="host KV store needs .* at most 1 sequences"):
         memory.plan_memory(
             cfg,

@@ -54,7 +54,14 @@ def test_served_requests_get_the_tokens_they_get_alone(embedded, Cache, device):
     ended = []
     step = fast.GraphedDecode(model, cache)  # as the scripts serve
     serve.serve(
-        model, reqs, cache, lambda x: x.argmax(-1), {eos}, 32, decode=step, on_done=ended.append
+        model,
+        reqs,
+        cache,
+        lambda x: x.argmax(-1),
+        eos_ids={eos},
+        chunk=32,
+        decode=step,
+        on_done=ended.append,
     )
     assert [r.out for r in reqs] == alone
     assert sorted(map(id, ended)) == sorted(map(id, reqs)) and all(
@@ -198,7 +205,7 @@ def test_a_served_plan_holds_a_prefill_beside_the_decode_step():
     fixed = weights + memory.cache_bytes(cfg, Bz, L, dtype, True)[0]
     step = memory.decode_bytes(cfg, Bz, L, dtype)
     plan = lambda room, served: memory.plan_memory(
-        cfg, weights, Bz, P, L, dtype, fixed + room, None, True, 4096, served
+        cfg, weights, Bz, P, L, dtype, gpu_budget=fixed + room, chunk=4096, served=served
     )
     for on_host in (False, True):  # the residual stream on the GPU, or waiting in host memory
         pre = memory.prefill_bytes(cfg, P, 4096, dtype, on_host)

@@ -476,10 +476,10 @@ def test_checks_before_work_and_one_line_errors(corpus, tmp_path, monkeypatch, c
     real = train.get_batch
 
     # Ctrl-C as training step 3 (0-based) begins
-    def interrupt(data, batch_size, T, seed, step, *rest, **kw):
-        if step == 3 and seed != 0:  # (evaluation draws with seed 0)
+    def interrupt(data, batch_size, T, **kw):
+        if kw["step"] == 3 and kw["seed"] != 0:  # (evaluation draws with seed 0)
             raise KeyboardInterrupt
-        return real(data, batch_size, T, seed, step, *rest, **kw)
+        return real(data, batch_size, T, **kw)
 
     monkeypatch.setattr(train, "get_batch", interrupt)
     with pytest.raises(SystemExit) as e:
@@ -615,7 +615,16 @@ def test_answer_weight(corpus):
         tok.encode(open(os.path.join(corpus, "argparse.py")).read() * 3).ids, dtype=np.uint16
     )
     x, y, w = train.get_batch(
-        data, 6, 400, 1, 3, 0, torch.device("cpu"), tasks=1.0, tok=tok, answer_weight=8.0
+        data,
+        6,
+        400,
+        seed=1,
+        step=3,
+        rank=0,
+        device=torch.device("cpu"),
+        tasks=1.0,
+        tok=tok,
+        answer_weight=8.0,
     )
     for r in range(6):
         at = (w[r] == 8.0).nonzero().flatten()
@@ -627,7 +636,10 @@ def test_answer_weight(corpus):
         assert re.fullmatch(r" \d+\n", tok.decode(y[r, at].tolist())), tok.decode(y[r, at].tolist())
         assert re.search(r"assert \w+ ==$", tok.decode(x[r, : at[0] + 1].tolist()))
     assert (
-        train.get_batch(data, 6, 400, 1, 3, 0, torch.device("cpu"), tasks=1.0, tok=tok)[2] is None
+        train.get_batch(
+            data, 6, 400, seed=1, step=3, rank=0, device=torch.device("cpu"), tasks=1.0, tok=tok
+        )[2]
+        is None
     )
     logits = torch.randn(6, 400, tok.get_vocab_size())
     each = torch.nn.functional.cross_entropy(
