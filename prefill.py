@@ -23,15 +23,16 @@ def prefill(model, idx, cache, seq, chunk=None, progress=None, stream_on_host=Fa
     before the one that holds the last position: its output there would feed nothing.
     stream_on_host: keep the residual stream in pinned host memory, a chunk at a time on the GPU
     (for a budget where it does not fit beside the cache). progress(fraction) after each layer."""
-    for logits in prefill_chunks(model, idx, cache, seq, chunk, progress, stream_on_host):
+    for logits in prefill_passes(model, idx, cache, seq, chunk, progress, stream_on_host):
         pass
     return logits
 
 
 @torch.no_grad()  # (around each step of the generator)
-def prefill_chunks(model, idx, cache, seq, chunk=None, progress=None, stream_on_host=False):
-    """prefill a chunk at a time: yields None after each chunk of each layer (its work launched),
-    then the logits. Between two chunks a caller may do other work (serve.py decodes a batch)."""
+def prefill_passes(model, idx, cache, seq, chunk=None, progress=None, stream_on_host=False):
+    """prefill a chunk at a time: yields None after each pass (one chunk of tokens through one
+    layer; its work launched), then the logits. Between two passes a caller may do other work
+    (serve.py decodes a batch)."""
     cfg, (_, T), dev = model.cfg, idx.shape, idx.device
     model.check_length(T, 0)
     C, dtype = chunk or T, model.embed_tokens.weight.dtype

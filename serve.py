@@ -2,12 +2,13 @@
 Continuous batching: whole requests served over the Bz rows of a decode cache (offloaded or
 resident), each admitted when it has arrived and a row is free. A row whose sequence ends (EOS, or
 its max_new_tokens) takes the next waiting request, and that request's prompt prefills a chunk at
-a time between the decode steps of the other rows: per step, the chunks (of a layer each) that a
+a time between the decode steps of the other rows: per step, the passes (a chunk through one
+layer each) that a
 token budget allows (Budget: a fixed number of prompt tokens through every layer, or by default as
 many as keep a step within twice a step alone, the chunk shortened where one is too many), as
 chunked prefill's token budget in serving engines keeps the
 time between tokens bounded. On a GPU the prefill runs on a stream of its own, beside the step
-(which has the higher priority), and the next step waits for the chunks; on a CPU they run after
+(which has the higher priority), and the next step waits for the passes; on a CPU they run after
 the step. generate.py serves this way when it is given more requests than rows, or a file of them.
 
 One prompt prefills at a time. The memory model (memory.plan_memory) sized the cache for Bz rows of
@@ -18,7 +19,7 @@ Each turn of the loop:
   1. admit: a free row is held back (Parked: it waits at position 0) and the next arrived prompt
      starts there (with nothing running and nothing arrived, wait for the next arrival)
   2. one decode step of every row (`decode`); the parked rows' outputs are ignored
-  3. launch the prefill's next chunks (layer_chunks); the next decode step waits for them
+  3. launch the prefill's next passes; the next decode step waits for them
   4. the step's tokens to the host: a row whose sequence ends is parked, its request done
   5. a prefill that has run to its end: its row starts (Parked.start) with the prompt's next token
 """
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from prefill import prefill_chunks
+from prefill import prefill_passes
 
 
 @dataclass
@@ -67,7 +68,7 @@ class Parked:
         cache.len[row] = cache.len_cpu[row] = 0
         cache.active[row] = cache.active_cpu[row] = False
 
-    def prefill(self, layer, seq, k, v, c, pooled=None):  # what prefill.prefill_chunks calls
+    def prefill(self, layer, seq, k, v, c, pooled=None):  # what prefill.prefill_passes calls
         self.cache.prefill(layer, seq, k, v, c, pooled, put=self.put)
 
     def put(self, t, index, value):  # a prompt's buffers are reused by the next layer: a copy
@@ -84,7 +85,7 @@ class Parked:
 
 
 class Prefill:
-    """A prompt prefilling into a held-back row a chunk at a time (prefill.prefill_chunks), on
+    """A prompt prefilling into a held-back row a chunk at a time (prefill.prefill_passes), on
     `stream` (None: the current one). `chunk`: its tokens (the whole prompt if None)."""
 
     def __init__(self, model, req, row, cache, stream, chunk, on_host):
@@ -95,15 +96,15 @@ class Prefill:
             stream.wait_stream(torch.cuda.current_stream(stream.device))
         with torch.cuda.stream(stream):
             idx = torch.tensor([req.ids], device=cache.len.device)
-        self.chunks = prefill_chunks(model, idx, self.parked, row, chunk, stream_on_host=on_host)
+        self.passes = prefill_passes(model, idx, self.parked, row, chunk, stream_on_host=on_host)
 
     def launch(self, n):
-        """Launch the next n chunks (of a layer each), or the rest; returns an event on the stream
+        """Launch the next n passes (a chunk through one layer each), or the rest; returns an event on the stream
         after them (None on a CPU, where they ran as they were launched)."""
         with torch.cuda.stream(self.stream):
             for _ in range(n):
                 if self.logits is None:
-                    self.logits = next(self.chunks)
+                    self.logits = next(self.passes)
             self.ran = self.stream and self.stream.record_event()
         return self.ran
 
@@ -112,15 +113,15 @@ class Prefill:
 
 
 class Budget:
-    """How many of the prefill's chunks (of a layer each) a decode step waits for, and how long a
-    chunk is. Either a fixed budget of prompt tokens per step through every layer (tokens * n_layer
-    / chunk chunks, at least one), or, by default, the most that keep every step beside the prefill
+    """How many of the prefill's passes (a chunk of tokens through one layer) a decode step waits
+    for, and how long a chunk is. Either a fixed budget of prompt tokens per step through every layer (tokens * n_layer
+    / chunk passes, at least one), or, by default, the most that keep every step beside the prefill
     within `stall` times a step alone, from a model measured as serving goes: a turn of the loop
-    (it syncs once) takes the step alone plus what its chunks add, so each turn updates the time a
-    chunk adds (`per`, averaged) and the next turn takes floor((stall - 1) * alone / per) chunks,
+    (it syncs once) takes the step alone plus what its passes add, so each turn updates the time a
+    pass adds (`per`, averaged) and the next turn takes floor((stall - 1) * alone / per) passes,
     at least one and at most twice as many as the turn before. A step alone is timed first and
-    every RETIME turns after (no chunk beside it), so that prompts arriving one after another
-    cannot hold the budget at its start. Where even one chunk stalls a step beyond the stall for
+    every RETIME turns after (no pass beside it), so that prompts arriving one after another
+    cannot hold the budget at its start. Where even one pass stalls a step beyond the stall for
     most of a prompt, the next prompt's chunk is half as long (the planned chunk, halved, not below
     `least` tokens); where four fit, twice as long again. With no row decoding, nothing waits: a
     chunk through the whole model per turn."""
@@ -142,7 +143,7 @@ class Budget:
         self.c = c
         return c
 
-    def chunks(self, pre, running):
+    def passes(self, pre, running):
         if not running:
             return self.n_layer
         if self.alone is None or self.since_alone >= self.RETIME:
@@ -152,7 +153,7 @@ class Budget:
         return self.n
 
     def turn(self, dt, n):
-        """A turn of dt seconds whose step waited for n chunks (0: a step alone)."""
+        """A turn of dt seconds whose step waited for n passes (0: a step alone)."""
         if not n:
             self.alone = dt if self.alone is None else 0.9 * self.alone + 0.1 * dt
             self.since_alone = 0
@@ -162,7 +163,7 @@ class Budget:
         self.waited.append(n)
         self.prompt_tokens.append(n * (self.c or 0) / self.n_layer)
         if self.tokens is None and self.alone is not None:
-            per = max(dt - self.alone, 0.0) / n  # what one chunk added to the step
+            per = max(dt - self.alone, 0.0) / n  # what one pass added to the step
             self.per = per if self.per is None else 0.8 * self.per + 0.2 * per
             room = (self.stall - 1) * self.alone
             fit = int(room / self.per) if self.per > 0 else 2 * self.n
@@ -171,8 +172,8 @@ class Budget:
                 self.over.append(dt > self.stall * self.alone)
 
     def ended(self):
-        """A prompt has prefilled: the next one's chunk halves where one chunk stalled most of its
-        steps, and doubles where four chunks fit a step."""
+        """A prompt has prefilled: the next one's chunk halves where one pass stalled most of its
+        steps, and doubles where four passes fit a step."""
         if self.tokens is None and self.over and 2 * sum(self.over) > len(self.over):
             self.halved += 1
         elif self.tokens is None and self.halved and self.n >= 4:
@@ -187,14 +188,14 @@ class Budget:
         return self.alone, sum(self.beside) / len(self.beside)
 
     def summary(self):
-        """One line: the chunks a step waited for, and a step beside the prefill against alone."""
+        """One line: the passes a step waited for, and a step beside the prefill against alone."""
         if self.kept() is None:
             return "prefill beside the steps: none timed"
         n, dt = sum(self.waited) / len(self.waited), self.kept()[1]
         tokens = sum(self.prompt_tokens) / len(self.prompt_tokens)
         how = f"{self.tokens} tokens" if self.tokens is not None else f"a stall of {self.stall}x"
         return (
-            f"prefill beside the steps ({how}): {n:.1f} chunks of a layer a step (about "
+            f"prefill beside the steps ({how}): {n:.1f} layer passes a step (about "
             f"{tokens:.0f} prompt tokens; last chunk {self.c}), a step {1e3 * dt:.1f} ms against "
             f"{1e3 * self.alone:.1f} ms alone (speed kept: {self.alone / dt:.2f})"
         )
@@ -230,7 +231,7 @@ def serve(model, requests, cache, pick, *, eos_ids=(), chunk=None, on_host=False
             Parked(cache, row)
         decode = decode or (lambda tok: model.decode(tok, cache))
         t0 = time.perf_counter()
-        launched = 0  # chunks launched beside the last step (a step on a GPU waits for them)
+        launched = 0  # passes launched beside the last step (a step on a GPU waits for them)
 
         def end(row, req):  # the row's sequence has its last token
             req.t_end = req.t_tokens[-1] - req.arrival
@@ -253,13 +254,13 @@ def serve(model, requests, cache, pick, *, eos_ids=(), chunk=None, on_host=False
                 t_turn = time.perf_counter()
                 nxt = pick(decode(tok))
             n = 0
-            if pre:  # 3. the prefill's next chunks
-                n = budget.chunks(pre, running)
+            if pre:  # 3. the prefill's next passes
+                n = budget.passes(pre, running)
                 if ran := pre.launch(n):
                     decode_stream.wait_event(ran)  # the next step after them
             if running:  # 4. the step's tokens
                 tok, new = nxt, nxt.tolist()
-                t = time.perf_counter() - t0  # the step waited for chunks (a CPU's ran after it)
+                t = time.perf_counter() - t0  # the step waited for passes (a CPU's ran after it)
                 budget.turn(t0 + t - t_turn, launched if cuda else n)
                 for row, req in list(running.items()):
                     req.out.append(new[row])

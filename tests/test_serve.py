@@ -16,7 +16,7 @@ import generate
 import serve
 from kvcache import KVCache
 from offload import OffloadCache
-from prefill import prefill, prefill_chunks
+from prefill import prefill, prefill_passes
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +106,7 @@ def test_a_reused_row_holds_nothing_of_the_old_request(embedded, Cache):
         for _ in range(20):
             tok = model.decode(tok, cache).argmax(-1)
         parked = serve.Parked(cache, 0)
-        for _ in prefill_chunks(model, torch.tensor([new]), parked, 0, chunk=32):
+        for _ in prefill_passes(model, torch.tensor([new]), parked, 0, chunk=32):
             tok = model.decode(tok, cache).argmax(-1)  # the batch decodes (row 0 parked)
         parked.start()
         fresh = Cache(model.cfg, 1, "cpu", torch.float32, 600)
@@ -245,7 +245,7 @@ def test_requests_arriving_over_time(embedded):
 
 def test_a_fixed_token_budget_sets_the_chunks_a_step_waits_for(embedded):
     """--prefill-budget TOKENS: a step beside the prefill waits for TOKENS * n_layer / chunk
-    chunks of a layer (at least one), counted; served tokens stay those alone."""
+    layer passes (at least one), counted; served tokens stay those alone."""
     model, text = embedded
     ids, news = prompts(text, [30, 400, 250]), [60, 8, 8]
     alone = [generate.generate(model, [p], n)[0] for p, n in zip(ids, news)]
@@ -255,9 +255,7 @@ def test_a_fixed_token_budget_sets_the_chunks_a_step_waits_for(embedded):
     serve.serve(model, reqs, cache, lambda x: x.argmax(-1), chunk=64, budget=budget)
     assert [r.out for r in reqs] == alone
     assert set(budget.waited) == {32 * model.cfg.n_layer // 64}  # 2 of the 4 layers a step
-    assert (
-        "2.0 chunks of a layer a step (about 32 prompt tokens; last chunk 64)" in budget.summary()
-    )
+    assert "2.0 layer passes a step (about 32 prompt tokens; last chunk 64)" in budget.summary()
 
 
 def test_a_halved_chunk_serves_the_same_tokens(embedded):
@@ -289,13 +287,13 @@ def test_the_stall_budget_takes_the_chunks_that_fit_within_the_stall():
     for _ in range(20):
         b.turn(0.010 + 0.0045 * b.n, b.n)
     assert b.n == 2
-    assert b.chunks(None, running={}) == 32  # nothing decoding: nothing waits
+    assert b.passes(None, running={}) == 32  # nothing decoding: nothing waits
     fresh = serve.Budget(32)
-    assert fresh.chunks(None, running={0: None}) == 0  # a step alone is timed first
+    assert fresh.passes(None, running={0: None}) == 0  # a step alone is timed first
 
 
 def test_the_stall_budget_keeps_half_the_speed_where_a_chunk_costs_most_of_a_step():
-    """Coarse chunks (as at 128K on the H200, where one chunk of a layer adds 0.6 of a step) that
+    """Coarse chunks (as at 128K on the H200, where one layer pass adds 0.6 of a step) that
     vary by 30% from chunk to chunk: the steps beside the prefill take no more than twice a step
     alone on average, so decoding keeps half its speed (growing a chunk a turn while within, as
     the budget did before, kept 0.45-0.49 here)."""
@@ -303,7 +301,7 @@ def test_the_stall_budget_keeps_half_the_speed_where_a_chunk_costs_most_of_a_ste
     for cost in (0.3, 0.6, 0.8):  # of a step alone
         b = serve.Budget(n_layer=32, stall=2.0)
         for _ in range(3000):
-            n = b.chunks(None, running={0: None})
+            n = b.passes(None, running={0: None})
             dt = 0.010 * (1 + 0.02 * rnd.gauss(0, 1))
             dt += sum(0.010 * cost * max(0.05, 1 + 0.3 * rnd.gauss(0, 1)) for _ in range(n))
             b.turn(dt, n)
@@ -318,7 +316,7 @@ def test_the_stall_budget_times_a_step_alone_while_prompts_queue_without_end():
     b, pre, running = serve.Budget(n_layer=32, stall=2.0), None, {0: None}
     waited = []
     for _ in range(2 * serve.Budget.RETIME + 10):
-        n = b.chunks(pre, running)
+        n = b.passes(pre, running)
         b.turn(0.010 if n == 0 else 0.010 + 0.0005 * n, n)  # half a ms a chunk beside the step
         waited.append(n)
     assert waited[0] == 0 and b.alone == pytest.approx(0.010)
