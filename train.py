@@ -17,12 +17,10 @@ checkpoints in checkpoint.py.
 import argparse
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass, fields
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import checkpoint
@@ -243,12 +241,6 @@ def main(**flags):
             f"stopped at step {step} of {o.steps} (--stop-at); `python train.py --resume --out "
             f"{o.out}` continues it"
         )
-    if world > 1:  # leave without freeing the DDP wrapper: its process group's destructor joins the
-        dist.barrier()  # gloo threads holding the GIL, which a thread releasing a finished work
-        dist.destroy_process_group()  # item may wait for (a deadlock at exit, 1 run in 3)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
     return raw, val_loss
 
 
