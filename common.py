@@ -5,6 +5,7 @@ torchrun, one-line errors).
 """
 
 import contextlib
+import math
 import os
 import sys
 
@@ -129,6 +130,20 @@ def start_processes(name=None):
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     return rank, world, device
+
+
+def check_flags(o, finite=(), at_least=()):
+    """One line for the first flag of o (a script's Options) out of range: a number that must be
+    finite, or one below its least value (None: not given)."""
+    flag = lambda name: f"--{name.replace('_', '-')} {getattr(o, name)}"
+    for name in finite:
+        value = getattr(o, name)
+        if value is not None and not math.isfinite(value):
+            raise ValueError(f"{flag(name)}: give a finite number")
+    for name, least in at_least:
+        value = getattr(o, name)
+        if value is not None and value < least:
+            raise ValueError(f"{flag(name)}: must be at least {least}")
 
 
 ANTICIPATED = (ValueError, OSError, MemoryError)  # bad input: the message says what to do

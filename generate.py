@@ -15,7 +15,6 @@ JSON line in --completions, with its time to first token and tokens/s.
 
 import argparse
 import contextlib
-import math
 import os
 import sys
 import time
@@ -145,26 +144,23 @@ class Options:
 
     def check(self):
         """One line for a flag out of range, before any work."""
-        for name in ("temperature", "gpu_budget", "host_budget", "max_stall"):
-            value = getattr(self, name)
-            if value is not None and not math.isfinite(value):
-                raise ValueError(f"--{name.replace('_', '-')} {value}: give a finite number")
-        for name, least in (
-            ("batch", 1),
-            ("max_new_tokens", 1),
-            ("top_k", 0),
-            ("temperature", 0),
-            ("prompt_len", 1),
-            ("chunk", 1),
-            ("micro_batches", 1),
-            ("prefill_budget", 1),
-            ("max_stall", 1),
-            ("gpu_budget", 1e-9),
-            ("host_budget", 1e-9),
-        ):
-            value = getattr(self, name)
-            if value is not None and value < least:
-                raise ValueError(f"--{name.replace('_', '-')} {value}: must be at least {least}")
+        common.check_flags(
+            self,
+            finite=("temperature", "gpu_budget", "host_budget", "max_stall"),
+            at_least=(
+                ("batch", 1),
+                ("max_new_tokens", 1),
+                ("top_k", 0),
+                ("temperature", 0),
+                ("prompt_len", 1),
+                ("chunk", 1),
+                ("micro_batches", 1),
+                ("prefill_budget", 1),
+                ("max_stall", 1),
+                ("gpu_budget", 1e-9),
+                ("host_budget", 1e-9),
+            ),
+        )
         if not 0 <= self.seed < 2**63:
             raise ValueError(f"--seed {self.seed}: give a whole number from 0 to 2^63 - 1")
         if self.compile not in ("auto", "on", "off"):

@@ -110,25 +110,21 @@ class Options:
 
     def check(self):
         """One line for a flag out of range, before any work."""
-        for name in ("lr", "weight_decay", "grad_clip", "evict_lr_mult", "tasks", "answer_weight"):
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(
-                    f"--{name.replace('_', '-')} {getattr(self, name)}: give a finite number"
-                )
+        common.check_flags(
+            self,
+            finite=("lr", "weight_decay", "grad_clip", "evict_lr_mult", "tasks", "answer_weight"),
+            at_least=(
+                ("steps", 1),
+                ("batch_size", 1),
+                ("seq_len", 1),
+                ("eval_every", 1),
+                ("log_every", 1),
+                ("warmup", 0),
+                ("stop_at", 1),
+            ),
+        )
         if not self.evict_lr_mult > 0:
             raise ValueError(f"--evict-lr-mult {self.evict_lr_mult}: must be positive")
-        for name, least in (
-            ("steps", 1),
-            ("batch_size", 1),
-            ("seq_len", 1),
-            ("eval_every", 1),
-            ("log_every", 1),
-            ("warmup", 0),
-            ("stop_at", 1),
-        ):
-            value = getattr(self, name)
-            if value is not None and value < least:
-                raise ValueError(f"--{name.replace('_', '-')} {value}: must be at least {least}")
         if not self.lr > 0:
             raise ValueError(f"--lr {self.lr}: must be positive")
         if not 0 <= self.head_warmup < self.steps:

@@ -15,11 +15,10 @@ import time
 import numpy as np
 import torch
 
+import bench
 import offload
 import serve
-from bench.requests import free, largest_plan, seconds
-from bench.throughput import SHAPES, SYSTEMS
-from config import Config
+from bench.requests import budgets, seconds, system
 
 
 def read_lengths(path):
@@ -42,7 +41,7 @@ def read_lengths(path):
     return out
 
 
-def workload(n, rate, prompt_lens, new_tokens, vocab, seed=0, lengths=None):
+def workload(n, rate, prompt_lens, new_tokens, vocab, *, seed=0, lengths=None):
     """n requests: arrivals of a Poisson process of `rate` a second (the first at 0), prompt and
     output lengths uniform in the ranges (lo, hi) or cycled from `lengths`, random token ids; the
     same for the same seed whatever the rate (only the gaps scale)."""
@@ -69,94 +68,55 @@ def spread(xs):
 
 @torch.no_grad()
 def bench_arrivals(
-    shape="8b",
-    rates=(0.05, 0.1, 0.2),
-    prompt_lens=(65536, 131072),
-    new_tokens=(256, 4096),
-    requests=32,
-    budget_gb=24.0,
-    systems=("nosa-offload", "full"),
-    host_gb=None,
-    lengths=None,
-    tbt_target=0.2,
-    ttft_target=30.0,
-    max_stall=2.0,
-    seed=0,
-):
-    from fast import GraphedDecode, compile_model
-    from generate import random_model
-    from memory import host_bytes_available
+    shape="8b", rates=(0.05, 0.1, 0.2), *, prompt_lens=(65536, 131072), max_new_tokens=(256, 4096),
+    requests=32, gpu_budget=24.0, host_budget=None, systems=("nosa-offload", "full"), lengths=None,
+    tbt_target=0.2, ttft_target=30.0, max_stall=2.0, seed=0,
+):  # fmt: skip
+    """Requests arriving over time, served by continuous batching (the module's docstring): per
+    system and rate, times to first token and between tokens, and each system's capacity."""
+    from fast import GraphedDecode
 
-    cuda = torch.cuda.is_available()
-    dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    preset, over = SHAPES[shape]
+    bench.check_decode_run(shape, gpu_budget)
     lengths = read_lengths(lengths) if isinstance(lengths, str) else lengths
     P_max = max(p for p, _ in lengths) if lengths else prompt_lens[1]
-    max_len = P_max + (max(g for _, g in lengths) if lengths else new_tokens[1])
-    budget, host = budget_gb * 2**30, host_gb * 2**30 if host_gb else host_bytes_available()
+    max_len = P_max + (max(g for _, g in lengths) if lengths else max_new_tokens[1])
     rows, capacity = [], []
     for name in systems:
-        label, attn, use_offload = SYSTEMS[name]
-        torch.manual_seed(0)
-        cfg = Config.from_preset(preset, **over, attn=attn, max_seq_len=max_len)
-        model = random_model(cfg, dev, dtype)
-        model = compile_model(model, prefill=True) if cuda else model
-        weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-        Bz, (chunk, on_host) = largest_plan(
-            cfg, weights, requests, P_max, max_len, dtype, budget, host, use_offload, True
+        model, (label, use_offload, Bz, chunk, on_host) = system(
+            name, shape, max_len, requests, P_max, budgets(gpu_budget, host_budget), served=True
         )
         if Bz == 0:
             rows.append(dict(system=label, rate=None, batch=0))
             continue
+        cfg, w = model.cfg, model.embed_tokens.weight
+        dev, dtype = w.device, w.dtype
+        host = budgets(1, host_budget)[1]
         cache = offload.make_cache(
             cfg, Bz, dev, dtype, max_len, offload=use_offload, host_budget=host
         )
         decode = GraphedDecode(model, cache, 2 if use_offload and Bz >= 16 else 1)
-        pick = lambda logits: logits.argmax(-1)
+        serve_ = lambda reqs, budget=None: serve.serve(
+            model, reqs, cache, lambda logits: logits.argmax(-1), chunk=chunk, on_host=on_host,
+            decode=decode, budget=budget,
+        )  # fmt: skip
         c = chunk or 64  # compiles what the timed runs launch: chunks whole and ragged (dynamic)
-        warm = [
-            serve.Request(list(range(1, n + 1)), 4)
-            for n in (64, c + 37, c // 2 + 5)
-            if n + 4 <= max_len
-        ]
-        serve.serve(model, warm, cache, pick, chunk=chunk, on_host=on_host, decode=decode)
+        serve_(
+            [
+                serve.Request(list(range(1, n + 1)), 4)
+                for n in (64, c + 37, c // 2 + 5)
+                if n + 4 <= max_len
+            ]
+        )
         within = []
         for rate in sorted(rates):
-            reqs = workload(requests, rate, prompt_lens, new_tokens, cfg.vocab_size, seed, lengths)
-            step_budget = serve.Budget(cfg.n_layer, stall=max_stall)
-            if cuda:
-                torch.cuda.reset_peak_memory_stats()
-            t0 = time.perf_counter()
-            serve.serve(
-                model,
-                reqs,
-                cache,
-                pick,
-                chunk=chunk,
-                on_host=on_host,
-                decode=decode,
-                budget=step_budget,
-            )
-            total = time.perf_counter() - t0
-            ttft = spread([r.t_first for r in reqs])
-            tbt = spread([g for r in reqs for g in r.gaps()] or [0.0])
+            reqs = workload(
+                requests, rate, prompt_lens, max_new_tokens, cfg.vocab_size, seed=seed,
+                lengths=lengths,
+            )  # fmt: skip
             row = dict(system=label, rate=rate, batch=Bz, requests=requests)
-            row.update({f"ttft_{k}_s": v for k, v in zip(("median", "p90", "p99", "max"), ttft)})
-            row.update({f"tbt_{k}_s": v for k, v in zip(("median", "p90", "p99", "max"), tbt)})
-            row["output_tokens_s"] = round(sum(len(r.out) for r in reqs) / total, 1)
-            alone, beside = step_budget.kept() or (float("nan"),) * 2
-            row.update(step_alone_ms=round(1e3 * alone, 2), step_beside_ms=round(1e3 * beside, 2))
-            row["speed_kept"] = round(alone / beside, 3)
-            row["total_s"] = seconds(total)
-            row["gpu_peak_gb"] = (
-                round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None
-            )
-            row["host_peak_gb"] = round(
-                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1
-            )
-            rows.append(row)
-            print(row, flush=True)
-            if tbt[2] > tbt_target or ttft[0] > ttft_target:
+            rows.append(row | served_at_rate(serve_, reqs, cfg.n_layer, max_stall))
+            print(rows[-1], flush=True)
+            if rows[-1]["tbt_p99_s"] > tbt_target or rows[-1]["ttft_median_s"] > ttft_target:
                 break  # a higher rate only waits longer: the sweep stops at the first miss
             within.append(rate)
         capacity.append(
@@ -169,6 +129,69 @@ def bench_arrivals(
                 f"<= {ttft_target} s",
             )
         )
-        del cache, model, decode  # (the graph holds both)
-        free(cuda)
+        cache = model = decode = serve_ = None  # (the graph holds both)
+        bench.free(torch.cuda.is_available())
     return dict(runs=rows, capacity=capacity)
+
+
+def served_at_rate(serve_, reqs, n_layer, max_stall):
+    """One run of arriving requests: the spreads of times to first token and between tokens, output
+    tokens/s, a step alone and beside a prefill (the speed it keeps), the GPU and host peaks."""
+    cuda = torch.cuda.is_available()
+    step_budget = serve.Budget(n_layer, stall=max_stall)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    serve_(reqs, step_budget)
+    total = time.perf_counter() - t0
+    ttft = spread([r.t_first for r in reqs])
+    tbt = spread([g for r in reqs for g in r.gaps()] or [0.0])
+    row = {f"ttft_{k}_s": v for k, v in zip(("median", "p90", "p99", "max"), ttft)}
+    row.update({f"tbt_{k}_s": v for k, v in zip(("median", "p90", "p99", "max"), tbt)})
+    row["output_tokens_s"] = round(sum(len(r.out) for r in reqs) / total, 1)
+    alone, beside = step_budget.kept() or (float("nan"),) * 2
+    row.update(step_alone_ms=round(1e3 * alone, 2), step_beside_ms=round(1e3 * beside, 2))
+    row["speed_kept"] = round(alone / beside, 3)
+    row["total_s"] = seconds(total)
+    row["gpu_peak_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None
+    row["host_peak_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1)
+    return row
+
+
+def flags(p):
+    p.add_argument(
+        "--shape", choices=sorted(bench.SHAPES), help="model shape (default: %(default)s)"
+    )
+    p.add_argument(
+        "--rates",
+        type=bench.positive_floats,
+        help="requests arriving at these rates a second (Poisson, seeded), one run each, e.g. "
+        "0.05,0.1,0.2 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--prompt-lens",
+        type=bench.length_range,
+        help="prompt lengths drawn from LO:HI (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=bench.length_range,
+        help="new tokens a request drawn from LO:HI (default: %(default)s)",
+    )
+    p.add_argument(
+        "--lengths",
+        metavar="FILE.jsonl",
+        help='lengths from lines {"prompt_len": P, "new_tokens": G} in place of the ranges',
+    )
+    p.add_argument("--requests", type=bench.at_least_one, help="how many (default: %(default)s)")
+    bench.add_budgets(p)
+    bench.add_systems(p, bench.SYSTEMS)
+    p.add_argument(
+        "--tbt-target", type=bench.gib, help="p99 time between tokens, s (default: %(default)s)"
+    )
+    p.add_argument(
+        "--ttft-target", type=bench.gib, help="median time to first token, s (default: %(default)s)"
+    )
+
+
+COMMANDS = {"arrivals": (bench_arrivals, flags)}

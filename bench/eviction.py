@@ -19,11 +19,13 @@ mass outside F(t) and the Q-picks that the core holds. The attention is the chec
 its bias), or that of a reference model on the same tokens (--reference: e.g. the dense control).
 """
 
+import argparse
 import math
 from dataclasses import replace
 
 import torch
 
+import bench
 import checkpoint
 import eviction
 import nosa
@@ -109,7 +111,7 @@ def rule_scores(mass, c, cfg, t0, generator, h=None):
 
 
 @torch.no_grad()
-def layer_captured(q, k, c, mass, cfg, t0, generator):
+def layer_captured(q, k, c, mass, cfg, t0, *, generator):
     """One layer of one sequence: {row: (share of the attention Γ(t) holds, share of the rest the
     core holds)}, averaged over the queries t0..T-1 and the KV heads. q (1, H_q, T, d), k (1, H_kv,
     T, d) after RoPE and c (1, H_kv, T) or None: the checkpoint's (its selection); mass (H_kv, T, nb):
@@ -160,13 +162,15 @@ def bands(n_layer, n=4):
 
 @torch.no_grad()
 def bench_eviction(
-    checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, reference=None, windows=4, T=None, seed=0, **sets
-):
+    checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, reference=None, windows=4, T=None, seed=0, *,
+    sets=None,
+):  # fmt: skip
     """The captured-attention table of a checkpoint: a row per rule for E (and InfLLMv2's selection),
     the share Γ(t) holds over all layers and per band of layers; per-layer values under "layers".
     sets: selection fields (k, n_win, k_q, ...) to evaluate a checkpoint at. A dense checkpoint is
     read as InfLLMv2 (its q and k select; it has no eviction head, so no row "learned")."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
+    sets = sets or {}
     own = checkpoint.read_config(checkpoint.located(checkpoint_dir))[1]
     over = dict(sets, attn="infllmv2") if not own.sparse else sets  # a dense model: no head
     model, tok = checkpoint.load(checkpoint_dir, dev, torch.float32, **over)
@@ -191,7 +195,7 @@ def bench_eviction(
                 (q, k, None, c) if ref is model else lr.self_attn.qkvc(lr.input_layernorm(hr), rope)
             )
             mass = block_mass(qr, kr, cr, replace(cfg, attn=ref.cfg.attn), 0)  # in cfg's blocks
-            for row, v in layer_captured(q, k, c, mass, cfg, t0, g).items():
+            for row, v in layer_captured(q, k, c, mass, cfg, t0, generator=g).items():
                 per_layer[i][row] = [
                     a + x / windows for a, x in zip(per_layer[i].get(row, (0, 0)), v)
                 ]
@@ -210,3 +214,44 @@ def bench_eviction(
         r["layers"] = [round(p[row][0], 4) for p in per_layer]
         rows.append(r)
     return rows
+
+
+def fields(text):
+    """An argparse type: 'k=16' -> {"k": 16}, typed as the Config field."""
+    from config import parse_overrides
+
+    try:
+        return parse_overrides([text])
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix(f"--set {text}: ")) from None
+
+
+class Merge(argparse.Action):
+    """--set k=16 --set n_win=4 -> {"k": 16, "n_win": 4}"""
+
+    def __call__(self, p, namespace, value, option=None):
+        setattr(namespace, self.dest, {**(getattr(namespace, self.dest) or {}), **value})
+
+
+def flags(p):
+    bench.add_checkpoint(p, "the model to diagnose (default: the embedded one)")
+    p.add_argument(
+        "--reference",
+        metavar="DIR",
+        help="the model whose dense attention measures the selections (default: the "
+        "checkpoint's own), e.g. the dense model a NOSA model was continued from",
+    )
+    p.add_argument(
+        "--windows", type=bench.at_least_one, help="held-out windows (default: %(default)s)"
+    )
+    p.add_argument(
+        "--set",
+        dest="sets",
+        type=fields,
+        action=Merge,
+        metavar="FIELD=VALUE",
+        help="a selection field to read the checkpoint at, e.g. --set k=16",
+    )
+
+
+COMMANDS = {"eviction": (bench_eviction, flags)}

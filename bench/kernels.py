@@ -13,7 +13,7 @@ import eviction
 import nosa
 import nosa_kernels
 import pooling
-from bench import graph_time, hbm_bandwidth
+from bench import graph_time, hbm_bandwidth, need_gpu
 from config import Config
 
 
@@ -31,6 +31,7 @@ def bench_prefill(
     forward + backward for `lengths`; the share of each phase, the TFLOP/s of useful work (the keys
     each query attends to: min(t + 1, k·B)) and the mean union of blocks a tile of queries reads
     (tile_union; a query selects k)."""
+    need_gpu("prefill")
     rows = []
     for T in lengths + forward_only:
         torch.manual_seed(0)
@@ -58,36 +59,7 @@ def bench_prefill(
         for mode in modes:
             cfg = Config.from_preset("paper", attn=mode)
             c = c0 if cfg.eviction_head else None
-            pos, nb = torch.arange(T, device="cuda")[None], cfg.n_blocks(T)
-            with torch.no_grad():
-                K_sub = pooling.compress_keys(k, cfg)
-                R = nosa_kernels.select_rows(nb)
-                t_score = ms(
-                    lambda: [
-                        pooling.query_aware_scores(
-                            q[:, :, t : t + R], K_sub, pos[:, t : t + R], nb, cfg
-                        )
-                        for t in range(0, T, R)
-                    ]
-                )
-
-                def sel():  # nosa_attention's selection
-                    lists = None
-                    if c is not None:
-                        lists = eviction.e_lists_by_block(
-                            pooling.pool_mean(c, cfg), 0, nb - 1, cfg
-                        )[0]
-                    return nosa.select_tiles(q, K_sub, lists, pos, nb, cfg, 0)
-
-                t_select = ms(sel)  # scoring included
-                tiles = sel()
-                t_attn = ms(
-                    lambda: attention_kernels.SparseAttention.apply(q, k, v, c, tiles, pos, cfg.B)
-                )
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-                t_fwd = ms(lambda: nosa.nosa_attention(q, k, v, c, cfg))
-                peak = torch.cuda.max_memory_allocated() - base
+            t_score, t_select, t_attn, t_fwd, peak, tiles = nosa_phases(q, k, v, c, cfg, ms)
             keys = torch.arange(1, T + 1, device="cuda").clamp(max=cfg.k * cfg.B).sum().item()
             useful, dense = 4 * d * H_q * keys, 4 * d * H_q * T * (T + 1) / 2  # FLOP: q·k and p·v
             row = dict(
@@ -121,6 +93,38 @@ def bench_prefill(
             print(row, flush=True)
             torch.cuda.empty_cache()
     return rows
+
+
+@torch.no_grad()
+def nosa_phases(q, k, v, c, cfg, ms):
+    """The forward's phases, each timed by ms: scoring, selection (scoring included), attention
+    over the selected tiles, the whole nosa_attention and its peak memory beyond the inputs.
+    Returns those and the tiles."""
+    T = q.shape[2]
+    pos, nb = torch.arange(T, device="cuda")[None], cfg.n_blocks(T)
+    K_sub = pooling.compress_keys(k, cfg)
+    R = nosa_kernels.select_rows(nb)
+    t_score = ms(
+        lambda: [
+            pooling.query_aware_scores(q[:, :, t : t + R], K_sub, pos[:, t : t + R], nb, cfg)
+            for t in range(0, T, R)
+        ]
+    )
+
+    def sel():  # nosa_attention's selection
+        lists = None
+        if c is not None:
+            lists = eviction.e_lists_by_block(pooling.pool_mean(c, cfg), 0, nb - 1, cfg)[0]
+        return nosa.select_tiles(q, K_sub, lists, pos, nb, cfg, 0)
+
+    t_select = ms(sel)
+    tiles = sel()
+    t_attn = ms(lambda: attention_kernels.SparseAttention.apply(q, k, v, c, tiles, pos, cfg.B))
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    t_fwd = ms(lambda: nosa.nosa_attention(q, k, v, c, cfg))
+    peak = torch.cuda.max_memory_allocated() - base
+    return t_score, t_select, t_attn, t_fwd, peak, tiles
 
 
 def sdpa_at_its_best(q, k, v, do, reps):
@@ -185,6 +189,7 @@ def bench_decode(H_q=32, H_kv=2, d=128):
     """One decode step of one layer's attention at the paper defaults: the slot-pool kernel (offload)
     and, over a resident cache, the training kernel and the decode kernel (split over the selected
     blocks) read k blocks per row; dense SDPA reads the context."""
+    need_gpu("decode")
     cfg = Config.from_preset("paper")
     hbm = hbm_bandwidth()
     rows = []
@@ -263,6 +268,7 @@ def bench_decode(H_q=32, H_kv=2, d=128):
 def bench_sdpa(Bz=12, H_kv=2, G=16, S=131073, d=128):
     """One dense decode call (the G query heads of a KV head as G rows) under each SDPA backend:
     the SDPA baselines beside the split-key kernel of decode_kernels.dense_decode."""
+    need_gpu("sdpa")
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     q = torch.randn(Bz, H_kv, G, d, device="cuda", dtype=torch.bfloat16)
@@ -290,3 +296,11 @@ def bench_sdpa(Bz=12, H_kv=2, G=16, S=131073, d=128):
         except RuntimeError as e:
             rows.append(dict(backend=name, error=str(e).splitlines()[0][:80]))
     return rows
+
+
+no_flags = lambda p: None
+COMMANDS = {
+    "prefill": (bench_prefill, no_flags),
+    "decode": (bench_decode, no_flags),
+    "sdpa": (bench_sdpa, no_flags),
+}

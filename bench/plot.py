@@ -86,7 +86,7 @@ def plot_requests(plt):
 
 
 def plot_arrivals(plt, name="arrivals_8b_128k.json"):
-    """Requests arriving over time (python -m bench requests --served --rate ...): time to first
+    """Requests arriving over time (python -m bench arrivals ...): time to first
     token (median) and time between tokens (p99) against the request rate, per system, with the
     targets that define its capacity."""
     runs = load(name)
@@ -215,7 +215,11 @@ STAGED = {  # the curves of recall_staged_gpu.json drawn, by (system, training)
 
 
 def main():
-    import matplotlib
+    """BENCHMARKS.md's figures from bench/results/*.json, into docs/figures/."""
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        raise ValueError("bench plot draws with matplotlib: pip install matplotlib") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -232,8 +236,11 @@ def main():
         if name == "arrivals" and not os.path.exists(
             os.path.join(RESULTS, "arrivals_8b_128k.json")
         ):
-            continue  # not run yet (python -m bench requests --served --rate ... --json it)
+            continue  # not run yet (python -m bench arrivals ... --json it)
         path = os.path.join(FIGURES, f"{name}.png")
         fn(plt).savefig(path, dpi=110)
         rows.append(dict(figure=os.path.relpath(path, ROOT)))
     return rows
+
+
+COMMANDS = {"plot": (main, lambda p: None)}

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import bench
 import checkpoint
 import data
 import eviction
@@ -62,7 +63,7 @@ def captured(dense, full, systems_, windows=4, T=8192):
     sparse = checkpoint.read_config(f"{dense}-nosa")[1]
     sets = {f: getattr(sparse, f) for f in SPARSITY}
     rows = []
-    for r in bench_eviction(full, None, windows, T, **sets):
+    for r in bench_eviction(full, None, windows, T, sets=sets):
         if r["E by"] in ("recency", "random", "heavy hitter", "oracle", "nosa-hh"):
             rows.append(dict(system=f"control, core by {r['E by']}", **strip(r)))
     row_of = {"infllmv2": "InfLLMv2 (no core)", "nosa": "learned", "nosa-hh": "nosa-hh"}
@@ -82,7 +83,7 @@ def strip(r):
 
 
 @torch.no_grad()
-def long_generation(control, systems_, val, dev, n=8, prompt=2048, new=2048):
+def long_generation(control, systems_, val, dev, *, n=8, prompt=2048, new=2048):
     """The paper's long-generation claim: n held-out prompts continued for `new` tokens by each
     system (sampled, temperature 0.8, top-k 50, the same seed), scored by the control model: its
     loss on the continuation, per half."""
@@ -213,6 +214,7 @@ def bench_pretrained(
     dense,
     corpus=None,
     data_dir=None,
+    *,
     windows=8,
     T=8192,
     prompts=8,
@@ -222,11 +224,10 @@ def bench_pretrained(
     recall_n=8,
     captured_windows=2,
     long=(8, 2048, 1024),
-):  # the defaults: 3.5 minutes for 10 systems on an H100
-    from bench.recall import where_the_fact_is
-    from generate import generate
-    from kvcache import KVCache
-    from offload import OffloadCache
+):  # fmt: skip   (the defaults: 3.5 minutes for 10 systems on an H100)
+    """An imported dense model and the recipe's runs of it (DENSE-full, -infllmv2, -nosa), measured
+    on the held-out files of their corpus: loss, captured attention, offloaded decode, recall and
+    long generation (the module's docstring); a table each."""
 
     full, infllmv2, nosa = (f"{dense}-{attn}" for attn in ("full", "infllmv2", "nosa"))
     for path in (dense, full, infllmv2, nosa):  # all there before any work
@@ -258,63 +259,114 @@ def bench_pretrained(
         if cases is None:
             cases = recall_cases(tok, model, val, recall_lengths, recall_n)
         if cfg.sparse:
-            cache = OffloadCache(cfg, prompts, dev, dtype, max_len=prompt_len + new_tokens)
-            warm = [p[: 64 + i % 2] for i, p in enumerate(prompt_ids)]
-            generate(model, warm, 2, cache=cache)
-            cache.reset_stats()
-            torch.manual_seed(0)
-            generate(model, prompt_ids, new_tokens, temperature=0.8, top_k=50, cache=cache)
-            s = cache.stats
-            steps, moved = max(s.steps, 1), s.moved.sum().item()
-            offload.append(
-                dict(
-                    system=name,
-                    hit_rate=round(1 - moved / max(s.needed.sum().item(), 1), 4),
-                    blocks_per_step=round(moved / steps, 1),
-                    MB_per_step=round(moved * s.unit_bytes / steps / 1e6, 3),
-                    batch=prompts,
-                    prompt=prompt_len,
-                )
-            )
+            offload.append(dict(system=name) | offloaded_decode(model, prompt_ids, new_tokens))
             print(offload[-1], flush=True)
-            del cache
-        row = dict(system=name)
-        for length in recall_lengths:
-            mine = [c for c in cases if c[0] == length]
-            cache = KVCache(cfg, len(mine), dev, dtype, max(len(c[1]) for c in mine) + 8)
-            outs = generate(model, [c[1] for c in mine], 8, cache=cache)
-            hits = [key in tok.decode(o).replace(" ", "") for (_, _, key, _), o in zip(mine, outs)]
-            row[f"recall_{length}"] = f"{sum(hits)}/{len(hits)}"
-            if cfg.sparse and length == recall_lengths[-1]:  # where the fact's block stands
-                parts = [
-                    p
-                    for _, ids, _, at in mine
-                    for p in where_the_fact_is(model, ids, len(ids) - 1, at // cfg.B)
-                ]
-                where.append(
-                    dict(system=name, length=length)
-                    | {
-                        p: round(parts.count(p) / len(parts), 3)
-                        for p in ("forced", "Q", "E", "none")
-                    }
-                )
+        row, fact = recall_row(model, tok, cases, recall_lengths)
+        row, where = dict(system=name) | row, where + [dict(system=name) | f for f in fact]
         recall.append(row)
         print(row, flush=True)
         del model
     ref = next(r["loss"] for r in loss if r["system"] == "full, continued")
     for r in loss:
         r["vs_full_continued"] = f"{100 * (r['loss'] / ref - 1):+.2f}%"
-    nosa_m = checkpoint.load(nosa, dev, torch.float32)[0]
-    dense_m = checkpoint.load(full, dev, torch.float32)[0]
-    g = torch.Generator().manual_seed(0)
-    per_layer = np.mean([core_against_dense(nosa_m, dense_m, w[None, :-1], g) for w in x[:4]], 0)
-    keys = ("top_block_in_core", "by_chance", "mass_in_core", "mass_random", "mass_recent")
-    core = [dict(layer="mean") | dict(zip(keys, np.round(per_layer.mean(0), 3).tolist()))]
-    core += [
-        dict(layer=i) | dict(zip(keys, np.round(r, 3).tolist())) for i, r in enumerate(per_layer)
-    ]
+    core = core_table(nosa, full, x[:4])
     sys_ = systems(dense, full, infllmv2, nosa)
     tables = dict(loss=loss, offload=offload, recall=recall, fact_in_selection=where, core=core)
     tables["captured"] = captured(dense, full, sys_, captured_windows, T)
-    tables["long_generation"] = long_generation(full, sys_, val, dev, *long)
+    tables["long_generation"] = long_generation(
+        full, sys_, val, dev, **dict(zip(("n", "prompt", "new"), long))
+    )
     return tables
+
+
+def offloaded_decode(model, prompt_ids, new_tokens):
+    """The held-out prompts decoded together through the offload engine (after a short warm-up
+    whose moves are not counted): hit rate, blocks and MB moved a step."""
+    from generate import generate
+    from offload import OffloadCache
+
+    cfg, w = model.cfg, model.embed_tokens.weight
+    n, P = len(prompt_ids), len(prompt_ids[0])
+    cache = OffloadCache(cfg, n, w.device, w.dtype, max_len=P + new_tokens)
+    generate(model, [p[: 64 + i % 2] for i, p in enumerate(prompt_ids)], 2, cache=cache)
+    cache.reset_stats()
+    torch.manual_seed(0)
+    generate(model, prompt_ids, new_tokens, temperature=0.8, top_k=50, cache=cache)
+    s = cache.stats
+    steps, moved = max(s.steps, 1), s.moved.sum().item()
+    return dict(
+        hit_rate=round(1 - moved / max(s.needed.sum().item(), 1), 4),
+        blocks_per_step=round(moved / steps, 1),
+        MB_per_step=round(moved * s.unit_bytes / steps / 1e6, 3),
+        batch=n,
+        prompt=P,
+    )
+
+
+def recall_row(model, tok, cases, lengths):
+    """Recall at each length (greedy, 8 tokens; a hit where the number is in them), and for a
+    sparse model at the longest, where the fact's block stands in the selection. Returns the row
+    and those shares (a dict a length)."""
+    from bench.recall import where_the_fact_is
+    from generate import generate
+    from kvcache import KVCache
+
+    cfg, w = model.cfg, model.embed_tokens.weight
+    row, where = {}, []
+    for length in lengths:
+        mine = [c for c in cases if c[0] == length]
+        cache = KVCache(cfg, len(mine), w.device, w.dtype, max(len(c[1]) for c in mine) + 8)
+        outs = generate(model, [c[1] for c in mine], 8, cache=cache)
+        hits = [key in tok.decode(o).replace(" ", "") for (_, _, key, _), o in zip(mine, outs)]
+        row[f"recall_{length}"] = f"{sum(hits)}/{len(hits)}"
+        if cfg.sparse and length == lengths[-1]:  # where the fact's block stands
+            parts = [
+                p
+                for _, ids, _, at in mine
+                for p in where_the_fact_is(model, ids, len(ids) - 1, at // cfg.B)
+            ]
+            shares = {
+                p: round(parts.count(p) / len(parts), 3) for p in ("forced", "Q", "E", "none")
+            }
+            where.append(dict(length=length) | shares)
+    return row, where
+
+
+def core_table(nosa, full, windows):
+    """How the NOSA model's core stands against the control's dense attention (core_against_dense),
+    over the windows: the mean over layers, then a row a layer."""
+    dev = windows.device
+    nosa_m = checkpoint.load(nosa, dev, torch.float32)[0]
+    dense_m = checkpoint.load(full, dev, torch.float32)[0]
+    g = torch.Generator().manual_seed(0)
+    per_layer = np.mean([core_against_dense(nosa_m, dense_m, w[None, :-1], g) for w in windows], 0)
+    keys = ("top_block_in_core", "by_chance", "mass_in_core", "mass_random", "mass_recent")
+    core = [dict(layer="mean") | dict(zip(keys, np.round(per_layer.mean(0), 3).tolist()))]
+    return core + [
+        dict(layer=i) | dict(zip(keys, np.round(r, 3).tolist())) for i, r in enumerate(per_layer)
+    ]
+
+
+def flags(p):
+    p.add_argument(
+        "--checkpoint",
+        dest="dense",
+        metavar="DIR",
+        required=True,
+        help="the imported dense model DIR, continued by train.py into DIR-full, DIR-infllmv2, "
+        "DIR-nosa",
+    )
+    p.add_argument(
+        "--corpus",
+        help="the id of the corpus the models were trained on (train_state.json's; default: the "
+        "standard library here), whose held-out files are read from data/",
+    )
+    p.add_argument(
+        "--cases",
+        dest="recall_n",
+        type=bench.at_least_one,
+        help="recall tasks per length (default: %(default)s)",
+    )
+
+
+COMMANDS = {"pretrained": (bench_pretrained, flags)}

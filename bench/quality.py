@@ -5,6 +5,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+import bench
 import checkpoint
 
 # name -> (the model in ckpts/tiny-NAME, the attention it decodes with; None: the one it was trained with)
@@ -16,6 +17,9 @@ SYSTEMS = {
     "dma": ("dma", None),
     "full-as-infllmv2": ("full", "infllmv2"),
 }
+
+
+CKPTS = os.path.join(checkpoint.ROOT, "out")  # where train.py's tiny models are by default
 
 
 def trained_path(ckpts, attn):
@@ -36,17 +40,33 @@ def distinct_4grams(seqs):
     ) / len(seqs)
 
 
-def bench_quality(
-    ckpts, systems=tuple(SYSTEMS), judge=None, gen_len=1024, windows=16, n_prompts=8, prompt_len=128
-):
-    """Long-sequence quality of the tiny models trained by train.py (ckpts/tiny-{nosa,full,...}):
-    teacher-forced loss on held-out windows of gen_len tokens (by position: the first k·B are dense for
-    every model), and free generations of gen_len tokens from n_prompts held-out prompts, decoded
-    together (sparse modes through the offload engine, which reports its hit rate) and scored by the
-    judge (default: ckpts/tiny-full; best a full-attention model that is none of the contestants).
-    'full-as-infllmv2' is the training-free baseline: the full-attention model decoded with
-    InfLLMv2-style selection at the same budget k."""
+def held_out(tok):
+    """The held-out files of the default corpus, as train.py splits them, as one tensor of ids."""
     import data as corpus
+
+    eot = tok.token_to_id(corpus.EOT)
+    docs = [text for name, text in corpus.documents() if corpus.is_val(name)]
+    return torch.tensor([i for text in docs for i in tok.encode(text).ids + [eot]])
+
+
+def token_losses(model, seqs):
+    """Each next token's loss under model, a row per sequence of seqs (n, T + 1) -> (n, T)."""
+    return torch.stack(
+        [F.cross_entropy(model(s[None, :-1])[0], s[1:], reduction="none") for s in seqs]
+    )
+
+
+def bench_quality(
+    ckpts=CKPTS, systems=tuple(SYSTEMS), judge=None, *, max_new_tokens=1024, windows=16,
+    n_prompts=8, prompt_len=128,
+):  # fmt: skip
+    """Long-sequence quality of the tiny models trained by train.py (ckpts/tiny-{nosa,full,...}):
+    teacher-forced loss on held-out windows of max_new_tokens tokens (by position: the first k·B are
+    dense for every model), and free generations of max_new_tokens tokens from n_prompts held-out
+    prompts, decoded together (sparse modes through the offload engine, which reports its hit rate)
+    and scored by the judge (default: ckpts/tiny-full; best a full-attention model that is none of
+    the contestants). 'full-as-infllmv2' is the training-free baseline: the full-attention model
+    decoded with InfLLMv2-style selection at the same budget k."""
     from generate import generate
     from kvcache import KVCache
     from offload import OffloadCache
@@ -59,20 +79,11 @@ def bench_quality(
     paths = {SYSTEMS[s][0]: trained_path(ckpts, SYSTEMS[s][0]) for s in systems}
     judge_path = judge or trained_path(ckpts, "full")
     judge, tok = checkpoint.load(judge_path, dev, torch.float32)
-    judge.check_length(prompt_len, gen_len)
-    # the held-out files of the default corpus, as train.py splits them
-    eot = tok.token_to_id(corpus.EOT)
-    val = torch.tensor(
-        [
-            i
-            for name, text in corpus.documents()
-            if corpus.is_val(name)
-            for i in tok.encode(text).ids + [eot]
-        ]
-    )
+    judge.check_length(prompt_len, max_new_tokens)
+    val = held_out(tok)
     kB = judge.cfg.k * judge.cfg.B
-    starts = torch.linspace(0, len(val) - gen_len - 1, windows).long()
-    x = torch.stack([val[s : s + gen_len + 1] for s in starts]).to(dev)
+    starts = torch.linspace(0, len(val) - max_new_tokens - 1, windows).long()
+    x = torch.stack([val[s : s + max_new_tokens + 1] for s in starts]).to(dev)
     prompts = [val[s : s + prompt_len].tolist() for s in starts[:n_prompts]]
     rows = []
     for name in systems:
@@ -80,27 +91,21 @@ def bench_quality(
         model, _ = checkpoint.load(
             paths[ck], dev, torch.float32, **({"attn": attn} if attn else {})
         )
-        model.check_length(prompt_len, gen_len)
+        model.check_length(prompt_len, max_new_tokens)
         cfg = model.cfg
         with torch.no_grad():
-            nll = torch.cat(
-                [F.cross_entropy(model(w[None, :-1])[0], w[1:], reduction="none")[None] for w in x]
-            )
+            nll = token_losses(model, x)
             cache = (
-                OffloadCache(cfg, n_prompts, dev, torch.float32, max_len=prompt_len + gen_len)
+                OffloadCache(
+                    cfg, n_prompts, dev, torch.float32, max_len=prompt_len + max_new_tokens
+                )
                 if cfg.sparse
-                else KVCache(cfg, n_prompts, dev, torch.float32, prompt_len + gen_len)
+                else KVCache(cfg, n_prompts, dev, torch.float32, prompt_len + max_new_tokens)
             )
             torch.manual_seed(0)
-            gen = generate(model, prompts, gen_len, temperature=0.8, top_k=50, cache=cache)
+            gen = generate(model, prompts, max_new_tokens, temperature=0.8, top_k=50, cache=cache)
             full = torch.tensor([p + g for p, g in zip(prompts, gen)], device=dev)
-            judged = torch.cat(
-                [
-                    F.cross_entropy(judge(s[None, :-1])[0], s[1:], reduction="none")[None]
-                    for s in full
-                ]
-            )
-            judged = judged[:, prompt_len - 1 :]
+            judged = token_losses(judge, full)[:, prompt_len - 1 :]
         row = dict(
             system=name,
             val_loss_dense_part=round(nll[:, :kB].mean().item(), 3),
@@ -115,3 +120,21 @@ def bench_quality(
         rows.append(row)
         print(rows[-1], flush=True)
     return rows
+
+
+def flags(p):
+    bench.add_ckpts(p, "where train.py wrote tiny-nosa/, tiny-full/, ... (default: %(default)s)")
+    bench.add_systems(p, SYSTEMS)
+    p.add_argument(
+        "--judge",
+        metavar="DIR",
+        help="the model that scores the generations (default: CKPTS/tiny-full)",
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=bench.at_least_one,
+        help="tokens generated, and the teacher-forced window (default: %(default)s)",
+    )
+
+
+COMMANDS = {"quality": (bench_quality, flags)}

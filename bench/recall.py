@@ -13,12 +13,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import bench
 import checkpoint
 import eviction
 import nosa
 import pooling
 import tasks
-from bench.quality import SYSTEMS, trained_path
+from bench.quality import CKPTS, SYSTEMS, trained_path
 
 
 def cases(tok, filler, distances, n, length, seed=0):
@@ -221,14 +222,9 @@ DISTANCES = (128, 256, 512, 1024, 2048, 4000)
 
 
 def bench_recall(
-    ckpts,
-    systems=tuple(SYSTEMS),
-    distances=DISTANCES,
-    n=200,
-    seed=0,
-    where_cases=20,
+    ckpts=CKPTS, systems=tuple(SYSTEMS), distances=DISTANCES, *, n=200, seed=0, where_cases=20,
     json_path=None,
-):
+):  # fmt: skip
     """Accuracy per distance bin and system; the fact's standing for `where_cases` cases per bin. The
     bins reach twice and about four times the tiny models' 1024-token training windows (4000: about
     the farthest a 4096-token context holds with the question and the longest answer); a bin the
@@ -291,7 +287,7 @@ def bench_recall(
     return rows
 
 
-def train_head(model, tok, filler, steps, rng, batch=4, length=1025, lr=1e-2):
+def train_head(model, tok, filler, steps, rng, *, batch=4, length=1025, lr=1e-2):
     """Train only the eviction heads (A, W_δ) of every layer, the rest frozen, on recall tasks alone (a
     random kind at a random distance past k·B), by the answer's loss alone: the signal the head gets
     when nothing dilutes it. Returns the losses of the steps."""
@@ -321,8 +317,9 @@ def train_head(model, tok, filler, steps, rng, batch=4, length=1025, lr=1e-2):
 
 
 def bench_head(
-    ckpt=checkpoint.DEFAULT_CHECKPOINT, steps=150, distances=(256, 768), n=24, where_cases=8, seed=0
-):
+    checkpoint_dir=checkpoint.DEFAULT_CHECKPOINT, steps=150, distances=(256, 768), *, n=24,
+    where_cases=8, seed=0,
+):  # fmt: skip
     """Can the eviction head learn to keep a fact? A trained model with an eviction head, frozen but for
     the heads, trained on recall tasks by the answer's loss (train_head), from its own head ('as trained')
     and from A = 1, W_δ = 0 ('A = 1, W_δ = 0': c constant, the same function as A = 0, but W_δ's
@@ -331,16 +328,16 @@ def bench_head(
     loss on held-out Python text (what the tuned heads cost the text)."""
     import train
 
-    _, tok = checkpoint.load(ckpt)
-    val = held_out_tokens(ckpt, tok)
+    _, tok = checkpoint.load(checkpoint_dir)
+    val = held_out_tokens(checkpoint_dir, tok)
     # tasks to learn from and to test on
     train_fill, test_fill = (val[: len(val) // 2], val[len(val) // 2 :])
     rows = []
     for init in ("as trained", "A = 1, W_δ = 0"):
-        model, _ = checkpoint.load(ckpt, dtype=torch.float32)
+        model, _ = checkpoint.load(checkpoint_dir, dtype=torch.float32)
         if not model.cfg.eviction_head:
             raise ValueError(
-                f"{ckpt}: bench head needs a model with an eviction head (nosa or dma)"
+                f"{checkpoint_dir}: bench head needs a model with an eviction head (nosa or dma)"
             )
         if init != "as trained":
             for blk in model.layers:
@@ -389,3 +386,30 @@ def bench_head(
                 rows.append(row)
                 print(row, flush=True)
     return rows
+
+
+def recall_flags(p):
+    bench.add_ckpts(p, "where train.py wrote tiny-nosa/, tiny-full/, ... (default: %(default)s)")
+    bench.add_systems(p, SYSTEMS)
+    p.add_argument(
+        "--distances",
+        type=bench.positive_ints,
+        help="the distance bins in tokens, e.g. 128,256,512 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--cases",
+        dest="n",
+        type=bench.at_least_one,
+        help="tasks per distance (default: %(default)s)",
+    )
+
+
+def head_flags(p):
+    bench.add_checkpoint(p, "a model with an eviction head (default: the embedded one)")
+    p.add_argument("--steps", type=bench.at_least_one, help="training steps (default: %(default)s)")
+    p.add_argument(
+        "--distances", type=bench.positive_ints, help="distances in tokens (default: %(default)s)"
+    )
+
+
+COMMANDS = {"recall": (bench_recall, recall_flags), "head": (bench_head, head_flags)}

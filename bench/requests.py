@@ -12,30 +12,32 @@ from those times: every prefill of a shape costs the same, and a step at context
 than the steps after it for the sparse systems and faster for full attention, whose reads grow with
 the context, so the composition favours the baseline.
 
-With --served (bench_served) the N requests run for real, served by continuous batching (serve.py).
+`bench served` (bench_served) runs the N requests for real, served by continuous batching
+(serve.py).
 """
 
-import gc
 import resource
 import statistics
 import time
 
 import torch
 
+import bench
 import memory
 import offload
 import serve
-from bench.throughput import SHAPES, SYSTEMS, fill_random
+from bench import SHAPES, SYSTEMS
+from bench.throughput import fill_random
 from config import Config
 from prefill import prefill
 
 
-def largest_plan(cfg, weights, requests, prompt_len, max_len, dtype, budget, host, use_offload,
+def largest_plan(cfg, weights, requests, prompt_len, max_len, dtype, *, budgets, use_offload,
                  served=False):  # fmt: skip
     """The largest batch up to `requests` that plan_memory accepts, with its (chunk, stream_on_host)."""
     plan = lambda Bz: memory.plan_memory(
-        cfg, weights, Bz, prompt_len, max_len, dtype, gpu_budget=budget,
-        host_budget=host if use_offload else None, offload=use_offload, served=served,
+        cfg, weights, Bz, prompt_len, max_len, dtype, gpu_budget=budgets[0],
+        host_budget=budgets[1] if use_offload else None, offload=use_offload, served=served,
     )  # fmt: skip
 
     def fits(Bz):
@@ -46,6 +48,36 @@ def largest_plan(cfg, weights, requests, prompt_len, max_len, dtype, budget, hos
 
     Bz = memory.largest(fits, requests)
     return Bz, plan(Bz) if Bz else (None, False)
+
+
+def system(name, shape, max_len, requests, prompt_len, budgets, *, served=False):
+    """One system of SYSTEMS at the largest batch its memory plan accepts: a random model of the
+    shape (its small operations compiled for prefill and decode on a GPU) and (label, use_offload,
+    batch, chunk, stream_on_host). budgets: GPU and host bytes."""
+    from fast import compile_model
+    from generate import random_model
+
+    label, attn, use_offload = SYSTEMS[name]
+    cuda = torch.cuda.is_available()
+    dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    torch.manual_seed(0)
+    preset, over = SHAPES[shape]
+    model = random_model(
+        Config.from_preset(preset, **over, attn=attn, max_seq_len=max_len), dev, dtype
+    )
+    if cuda:  # every system prefills and decodes with its small operations compiled
+        compile_model(model, prefill=True)
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    Bz, (chunk, on_host) = largest_plan(
+        model.cfg, weights, requests, prompt_len, max_len, dtype, budgets=budgets,
+        use_offload=use_offload, served=served,
+    )  # fmt: skip
+    return model, (label, use_offload, Bz, chunk, on_host)
+
+
+def budgets(gpu_budget, host_budget):
+    """The budgets in bytes, the host's what is available where not given."""
+    return gpu_budget * 2**30, host_budget * 2**30 if host_budget else memory.host_bytes_available()
 
 
 def seconds(t):
@@ -66,100 +98,44 @@ def compose(N, Bz, G, t_prefill, t_step, t_step_last=None):
 
 @torch.no_grad()
 def bench_requests(
-    shape="8b",
-    prompt_len=131072,
-    new_tokens=(1024, 8192),
-    requests=28,
-    budget_gb=24.0,
-    systems=("nosa-offload", "full", "infllmv2-offload"),
-    steps=48,
-    host_gb=None,
-):
-    from fast import GraphedDecode, compile_model
-    from generate import random_model
-
-    cuda = torch.cuda.is_available()
-    dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    preset, over = SHAPES[shape]
-    max_len = prompt_len + max(new_tokens)
-    budget = budget_gb * 2**30
-    host = host_gb * 2**30 if host_gb else memory.host_bytes_available()
-    rows = []
+    shape="8b", prompt_len=131072, *, max_new_tokens=(1024, 8192), requests=28, gpu_budget=24.0,
+    host_budget=None, systems=("nosa-offload", "full", "infllmv2-offload"), steps=48,
+):  # fmt: skip
+    """Whole requests at a GPU memory budget, static batches composed from timed parts (the module's
+    docstring): per system and G, time to first token, the whole time and output tokens/s."""
+    bench.check_decode_run(shape, gpu_budget)
+    max_len, rows = prompt_len + max(max_new_tokens), []
     for name in systems:
-        label, attn, use_offload = SYSTEMS[name]
-        torch.manual_seed(0)
-        model = random_model(
-            Config.from_preset(preset, **over, attn=attn, max_seq_len=max_len), dev, dtype
+        model, (label, use_offload, Bz, chunk, on_host) = system(
+            name, shape, max_len, requests, prompt_len, budgets(gpu_budget, host_budget)
         )
-        if cuda:  # every system prefills and decodes with its small operations compiled
-            compile_model(model, prefill=True)
-        cfg = model.cfg
-        weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-        Bz, (chunk, on_host) = largest_plan(
-            cfg, weights, requests, prompt_len, max_len, dtype, budget, host, use_offload
-        )
-        row = dict(
-            system=label,
-            shape=shape,
-            prompt_len=prompt_len,
-            batch=Bz,
-            chunk=chunk,
-            stream_on_host=on_host,
-        )
-        if (
+        cfg, dtype = model.cfg, model.embed_tokens.weight.dtype
+        row = dict(system=label, shape=shape, prompt_len=prompt_len, batch=Bz, chunk=chunk)
+        row["stream_on_host"] = on_host
+        rows.append(row)
+        tight = (
             use_offload
             and Bz
-            and (tight := memory.host_warning(memory.cache_bytes(cfg, Bz, max_len, dtype)[1]))
-        ):
+            and memory.host_warning(memory.cache_bytes(cfg, Bz, max_len, dtype)[1])
+        )
+        if tight:
             print(tight, flush=True)
-        rows.append(row)
-        if Bz == 0:
-            print(row, flush=True)
-            continue
-        cache = offload.make_cache(
-            cfg, Bz, dev, dtype, max_len, offload=use_offload, host_budget=host
-        )
-        idx = torch.randint(0, cfg.vocab_size, (1, prompt_len), device=dev)
-        # a whole prefill first: it compiles every kernel the timed one launches (the selection kernel once per
-        # power of two of the block count, which grows with the prompt), so the timed one is the steady state
-        prefill(model, idx, cache, 0, chunk, stream_on_host=on_host)
-        sync()
-        base = torch.cuda.memory_allocated() if cuda else 0
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        prefill(model, idx, cache, 0, chunk, stream_on_host=on_host)
-        sync()
-        t_prefill = time.perf_counter() - t0
-        prefill_peak = torch.cuda.max_memory_allocated() - base if cuda else 0
-        if Bz > 1:  # the other rows: random prompts of the same length, as if prefilled
-            fill_random(cache, cfg, Bz, prompt_len, dev, dtype, first=1)
-        t_step = timed_steps(GraphedDecode(model, cache), Bz, cfg, steps, dev, sync)
-        # the last batch's sequences, where it is smaller
-        last = requests % Bz if requests > Bz else 0
-        if last:  # its own step, on a cache of that many rows
-            del cache
-            free(cuda)
-            cache = offload.make_cache(
-                cfg, last, dev, dtype, max_len, offload=use_offload, host_budget=host
+        if Bz:
+            row.update(
+                static_parts(
+                    model,
+                    row,
+                    use_offload=use_offload,
+                    requests=requests,
+                    prompt_len=prompt_len,
+                    max_len=max_len,
+                    steps=steps,
+                    host_budget=host_budget,
+                )
             )
-            fill_random(cache, cfg, last, prompt_len, dev, dtype)
-            t_last = timed_steps(GraphedDecode(model, cache), last, cfg, steps, dev, sync)
-            row.update(last_batch=last, last_step_ms=round(t_last * 1e3, 2))
-        row.update(
-            ttft_one_s=seconds(t_prefill),
-            prefill_tokens_s=round(prompt_len / t_prefill),
-            decode_tokens_s=round(Bz / t_step, 1),
-            step_ms=round(t_step * 1e3, 2),
-            prefill_gb_beyond=round(prefill_peak / 2**30, 2),
-            modelled_gb=round(
-                memory.prefill_bytes(cfg, prompt_len, chunk, dtype, on_host) / 2**30, 2
-            ),
-            gpu_peak_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
-        )
-        for G in new_tokens:
-            ttft, total = compose(requests, Bz, G, t_prefill, t_step, t_last if last else None)
+        times = row.pop("_t", None)
+        for G in max_new_tokens if Bz else ():
+            ttft, total = compose(requests, Bz, G, *times)
             row[f"G{G}"] = dict(
                 ttft_median_s=seconds(statistics.median(ttft)),
                 ttft_max_s=seconds(max(ttft)),
@@ -167,9 +143,61 @@ def bench_requests(
                 output_tokens_s=round(requests * G / total, 1),
             )
         print(row, flush=True)
-        del cache, model
-        free(cuda)
-    return vs_full(rows, new_tokens)
+        del model
+        bench.free(torch.cuda.is_available())
+    return vs_full(rows, max_new_tokens)
+
+
+def static_parts(model, row, *, use_offload, requests, prompt_len, max_len, steps, host_budget):
+    """The timed parts of the static schedule: one P-token prefill at the plan's chunk (after an
+    untimed one, which compiles every kernel the timed one launches: the selection kernel once per
+    power of two of the block count, which grows with the prompt), with the batch's decode cache
+    beside it; graphed steps of the whole batch at context P (the other rows filled with random K,
+    V and c), and of the last, smaller batch where N is not a multiple of the batch."""
+    from fast import GraphedDecode
+
+    cfg, w, Bz = model.cfg, model.embed_tokens.weight, row["batch"]
+    dev, dtype, cuda = w.device, w.dtype, w.is_cuda
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    host = budgets(1, host_budget)[1]
+    new_cache = lambda n: offload.make_cache(
+        cfg, n, dev, dtype, max_len, offload=use_offload, host_budget=host
+    )
+    cache, chunk, on_host = new_cache(Bz), row["chunk"], row["stream_on_host"]
+    idx = torch.randint(0, cfg.vocab_size, (1, prompt_len), device=dev)
+    prefill(model, idx, cache, 0, chunk, stream_on_host=on_host)
+    sync()
+    base = torch.cuda.memory_allocated() if cuda else 0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    prefill(model, idx, cache, 0, chunk, stream_on_host=on_host)
+    sync()
+    t_prefill = time.perf_counter() - t0
+    prefill_peak = torch.cuda.max_memory_allocated() - base if cuda else 0
+    if Bz > 1:  # the other rows: random prompts of the same length, as if prefilled
+        fill_random(cache, cfg, Bz, prompt_len, dev, dtype, first=1)
+    t_step = timed_steps(GraphedDecode(model, cache), Bz, cfg, steps, dev, sync)
+    out = dict(
+        ttft_one_s=seconds(t_prefill),
+        prefill_tokens_s=round(prompt_len / t_prefill),
+        decode_tokens_s=round(Bz / t_step, 1),
+        step_ms=round(t_step * 1e3, 2),
+        prefill_gb_beyond=round(prefill_peak / 2**30, 2),
+        modelled_gb=round(memory.prefill_bytes(cfg, prompt_len, chunk, dtype, on_host) / 2**30, 2),
+        gpu_peak_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+        _t=[t_prefill, t_step, None],  # for compose
+    )
+    last = requests % Bz if requests > Bz else 0  # the last batch's sequences, where it is smaller
+    if last:  # its own step, on a cache of that many rows
+        del cache
+        bench.free(cuda)
+        cache = new_cache(last)
+        fill_random(cache, cfg, last, prompt_len, dev, dtype)
+        t_last = timed_steps(GraphedDecode(model, cache), last, cfg, steps, dev, sync)
+        out.update(last_batch=last, last_step_ms=round(t_last * 1e3, 2))
+        out["_t"][2] = t_last
+    return out
 
 
 def vs_full(rows, new_tokens):
@@ -181,14 +209,6 @@ def vs_full(rows, new_tokens):
             if base:
                 r[f"G{G}"]["vs_full"] = round(base / r[f"G{G}"]["total_s"], 2)
     return rows
-
-
-def free(cuda):
-    """Give the memory of what was deleted back: the GPU's and the pinned host memory's caches."""
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
-        getattr(torch._C, "_host_emptyCache", lambda: None)()
 
 
 def timed_steps(step, Bz, cfg, steps, dev, sync):
@@ -207,15 +227,9 @@ def timed_steps(step, Bz, cfg, steps, dev, sync):
 
 @torch.no_grad()
 def bench_served(
-    shape="8b",
-    prompt_len=131072,
-    new_tokens=(1024,),
-    requests=28,
-    budget_gb=24.0,
-    systems=("nosa-offload", "full"),
-    steps=48,
-    host_gb=None,
-):
+    shape="8b", prompt_len=131072, *, max_new_tokens=(1024,), requests=28, gpu_budget=24.0,
+    host_budget=None, systems=("nosa-offload", "full"), steps=48,
+):  # fmt: skip
     """The N requests served for real (serve.serve: continuous batching), every system through the
     same scheduler at its largest batch, random weights and random prompts, greedy. Per system and
     G: time to first token (median, p90, max), output tokens/s, the whole time, GPU and host memory
@@ -223,26 +237,24 @@ def bench_served(
     prompt prefills beside them (its prefill time then, against alone). Beside each total, the
     static schedule's composed from this run's prefill and steps (bench_requests' composition; the
     last, smaller batch's step runs with the other rows parked)."""
-    from fast import GraphedDecode, compile_model
-    from generate import random_model
+    from fast import GraphedDecode
 
+    bench.check_decode_run(shape, gpu_budget)
     cuda = torch.cuda.is_available()
-    dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    preset, over = SHAPES[shape]
-    max_len, budget = prompt_len + max(new_tokens), budget_gb * 2**30
-    host = host_gb * 2**30 if host_gb else memory.host_bytes_available()
-    rows = []
+    max_len, rows = prompt_len + max(max_new_tokens), []
     for name in systems:
-        label, attn, use_offload = SYSTEMS[name]
-        torch.manual_seed(0)
-        cfg = Config.from_preset(preset, **over, attn=attn, max_seq_len=max_len)
-        model = compile_model(random_model(cfg, dev, dtype), prefill=True) if cuda else None
-        model = model or random_model(cfg, dev, dtype)
-        weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-        Bz, (chunk, on_host) = largest_plan(
-            cfg, weights, requests, prompt_len, max_len, dtype, budget, host, use_offload, True
+        model, (label, use_offload, Bz, chunk, on_host) = system(
+            name,
+            shape,
+            max_len,
+            requests,
+            prompt_len,
+            budgets(gpu_budget, host_budget),
+            served=True,
         )
+        cfg, w = model.cfg, model.embed_tokens.weight
+        dev, dtype = w.device, w.dtype
         row = dict(system=label, shape=shape, prompt_len=prompt_len, batch=Bz, chunk=chunk)
         rows.append(row)
         if Bz == 0:
@@ -250,48 +262,66 @@ def bench_served(
             continue
         micro = 2 if use_offload and Bz >= 16 else 1
         cache = offload.make_cache(
-            cfg, Bz, dev, dtype, max_len, offload=use_offload, host_budget=host
+            cfg,
+            Bz,
+            dev,
+            dtype,
+            max_len,
+            offload=use_offload,
+            host_budget=budgets(1, host_budget)[1],
         )
         prompt = lambda: torch.randint(0, cfg.vocab_size, (prompt_len,)).tolist()
-        pick = lambda logits: logits.argmax(-1)
-        for i, G in enumerate((8,) + tuple(new_tokens)):  # 0: compiles what the others launch
+        for i, G in enumerate((8,) + tuple(max_new_tokens)):  # 0: compiles what the others launch
             reqs = [serve.Request(prompt(), G) for _ in range(requests if i else 1)]
-            sync()
-            if cuda:
-                torch.cuda.reset_peak_memory_stats()
-            t0 = time.perf_counter()
-            decode = GraphedDecode(model, cache, micro)
-            serve.serve(model, reqs, cache, pick, chunk=chunk, on_host=on_host, decode=decode)
-            total, ttft = time.perf_counter() - t0, sorted(r.t_first for r in reqs)
-            if not i:
-                continue
-            row[f"G{G}"] = dict(
-                total_s=seconds(total),
-                output_tokens_s=round(sum(len(r.out) for r in reqs) / total, 1),
-                ttft_median_s=seconds(statistics.median(ttft)),
-                ttft_p90_s=seconds(ttft[(9 * len(ttft)) // 10]),
-                ttft_max_s=seconds(ttft[-1]),
-                gpu_peak_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+            figures = served_once(
+                model, reqs, cache, GraphedDecode(model, cache, micro), chunk, on_host
             )
+            if i:
+                row[f"G{G}"] = figures
         fill_random(cache, cfg, Bz, prompt_len, dev, dtype)
         cache.active[:], cache.active_cpu[:] = True, True  # serve left the rows parked
         decode = GraphedDecode(model, cache, micro)
-        row.update(beside_prefill(model, cache, decode, prompt(), chunk, on_host, steps, sync))
+        row.update(
+            beside_prefill(
+                model, cache, decode, prompt(), chunk=chunk, on_host=on_host, steps=steps, sync=sync
+            )
+        )
         last = requests % Bz if requests > Bz else 0  # the static schedule's smaller last batch
         for seq in range(last, Bz if last else 0):
             serve.Parked(cache, seq)
         t_last = last and timed_steps(decode, Bz, cfg, steps, dev, sync)
-        for G in new_tokens:  # static batches composed from this run's prefill and steps
+        for G in max_new_tokens:  # static batches composed from this run's prefill and steps
             times = row["prefill_alone_s"], row["step_alone_ms"] / 1e3, t_last or None
             row[f"G{G}"]["static_composed_s"] = seconds(compose(requests, Bz, G, *times)[1])
         row["host_peak_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1)
         print(row, flush=True)
         del cache, model, decode  # (the graph holds both)
-        free(cuda)
-    return vs_full(rows, new_tokens)
+        bench.free(cuda)
+    return vs_full(rows, max_new_tokens)
 
 
-def beside_prefill(model, cache, decode, ids, chunk, on_host, steps, sync):
+def served_once(model, reqs, cache, decode, chunk, on_host):
+    """reqs served greedily (serve.serve); the whole time, output tokens/s, times to first token and
+    the GPU's peak memory."""
+    cuda = cache.len.is_cuda
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    pick = lambda logits: logits.argmax(-1)
+    serve.serve(model, reqs, cache, pick, chunk=chunk, on_host=on_host, decode=decode)
+    total, ttft = time.perf_counter() - t0, sorted(r.t_first for r in reqs)
+    return dict(
+        total_s=seconds(total),
+        output_tokens_s=round(sum(len(r.out) for r in reqs) / total, 1),
+        ttft_median_s=seconds(statistics.median(ttft)),
+        ttft_p90_s=seconds(ttft[(9 * len(ttft)) // 10]),
+        ttft_max_s=seconds(ttft[-1]),
+        gpu_peak_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+    )
+
+
+def beside_prefill(model, cache, decode, ids, *, chunk, on_host, steps, sync):
     """Decode steps of the batch (row 0 parked for a new prompt) alone, and a prompt's prefill into
     row 0 on serve.py's streams alone, then both side by side: each one's time there against alone.
     Row 0 decodes the prompt afterwards."""
@@ -322,3 +352,21 @@ def beside_prefill(model, cache, decode, ids, chunk, on_host, steps, sync):
         prefill_alone_s=seconds(times[0]),
         prefill_beside_decode_s=seconds(times[1]),
     )
+
+
+def flags(p):
+    bench.add_shape(p)
+    p.add_argument(
+        "--max-new-tokens",
+        type=bench.positive_ints,
+        help="tokens generated a request, one run each, e.g. 1024,8192 (default: %(default)s)",
+    )
+    p.add_argument("--requests", type=bench.at_least_one, help="how many (default: %(default)s)")
+    bench.add_budgets(p)
+    bench.add_systems(p, SYSTEMS)
+    p.add_argument(
+        "--steps", type=bench.at_least_one, help="timed decode steps (default: %(default)s)"
+    )
+
+
+COMMANDS = {"requests": (bench_requests, flags), "served": (bench_served, flags)}

@@ -391,25 +391,10 @@ def test_model_through_the_kernels(H_q, H_kv):
     kernels (offloaded: the slot pool; resident) matches the parallel forward through the training kernels."""
     from kvcache import KVCache
     from offload import OffloadCache
-    from tests.conftest import decode_logits, make_model
+    from tests.conftest import decode_logits, make_model, small
 
     # k·B = 64 tokens
-    kw = dict(
-        n_layer=1,
-        dim=64,
-        H_q=H_q,
-        H_kv=H_kv,
-        head_dim=16,
-        hidden_dim=96,
-        vocab_size=97,
-        B=16,
-        l_c=8,
-        s_c=4,
-        n_sink=1,
-        n_win=1,
-        k=4,
-        k_q=1,
-    )
+    kw = dict(small, n_layer=1, H_q=H_q, H_kv=H_kv, B=16, l_c=8, s_c=4, n_win=1, k=4, k_q=1)
     model = make_model("nosa", torch.float32, **kw).to(DEV)
     idx = torch.randint(0, 97, (2, 150), device=DEV)
     with torch.no_grad():
@@ -452,26 +437,11 @@ def test_chunked_prefill_through_the_kernels(attn):
     cache it leaves decodes alike."""
     from kvcache import KVCache
     from prefill import prefill
-    from tests.conftest import make_model
+    from tests.conftest import make_model, small
 
     dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
     # k·B = 64 tokens
-    kw = dict(
-        n_layer=2,
-        dim=64,
-        H_q=4,
-        H_kv=2,
-        head_dim=16,
-        hidden_dim=96,
-        vocab_size=97,
-        B=16,
-        l_c=8,
-        s_c=4,
-        n_sink=1,
-        n_win=1,
-        k=4,
-        k_q=2,
-    )
+    kw = dict(small, B=16, l_c=8, s_c=4, n_win=1, k=4)
     model = make_model(attn, dtype, **kw).to(DEV)
     idx = torch.randint(0, 97, (1, 200), device=DEV)
     tol = 2e-2 if dtype == torch.bfloat16 else FP32_TOL

@@ -361,9 +361,9 @@ def test_a_bench_budget_that_fits_no_batch_is_not_a_result(capsys):
     line instead of reporting them as a result."""
     from bench.__main__ import cli
 
-    args = ["requests", "--budget-gb", "0.019", "--prompt-len", "64", "--requests", "1"]
+    args = ["requests", "--shape", "tiny", "--gpu-budget", "0.019", "--prompt-len", "64"]
     with pytest.raises(SystemExit) as e:
-        cli(args + ["--new-tokens", "8", "--steps", "2"])
+        cli(args + ["--requests", "1", "--max-new-tokens", "8", "--steps", "2"])
     cap = capsys.readouterr()
     assert e.value.code == 2 and "fits no batch of any system" in cap.err
     assert cap.err.count("\n") == 1

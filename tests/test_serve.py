@@ -178,7 +178,7 @@ def test_served_bench_small():
     its memory plan gives, and the steps beside a prefill are timed."""
     from bench.requests import bench_served
 
-    rows = bench_served(shape="tiny", prompt_len=300, new_tokens=(8,), requests=3, budget_gb=0.7,
+    rows = bench_served(shape="tiny", prompt_len=300, max_new_tokens=(8,), requests=3, gpu_budget=0.7,
                         steps=2, systems=("nosa-offload", "full"))  # fmt: skip
     for r in rows:
         assert r["batch"] == 3 and r["G8"]["total_s"] > 0 and r["G8"]["output_tokens_s"] > 0
@@ -363,8 +363,8 @@ def test_arriving_workload_and_its_bench_small():
     assert [r.ids for r in a] == [r.ids for r in b] and a[0].arrival == 0.0
     assert all(abs(x.arrival - 4 * y.arrival) < 1e-9 for x, y in zip(a, b))
     assert all(10 <= len(r.ids) <= 20 and 3 <= r.max_new_tokens <= 4 for r in a)
-    tables = bench_arrivals(shape="tiny", rates=(50.0,), prompt_lens=(40, 120), new_tokens=(4, 8),
-                            requests=4, budget_gb=1.0)  # fmt: skip
+    tables = bench_arrivals(shape="tiny", rates=(50.0,), prompt_lens=(40, 120), max_new_tokens=(4, 8),
+                            requests=4, gpu_budget=1.0)  # fmt: skip
     assert [r["system"] for r in tables["runs"]] == ["nosa + offload", "full, resident cache"]
     for r in tables["runs"]:
         assert r["batch"] >= 1 and r["output_tokens_s"] > 0

@@ -14,24 +14,10 @@ import checkpoint
 import data
 import train
 from tests.conftest import processes_env
+from tests.conftest import small as conftest_small
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-small = dict(
-    n_layer=2,
-    dim=64,
-    H_q=4,
-    H_kv=2,
-    head_dim=16,
-    hidden_dim=128,
-    vocab_size=300,
-    B=8,
-    l_c=4,
-    s_c=2,
-    n_sink=1,
-    n_win=2,
-    k=8,
-    k_q=2,
-)
+small = dict(conftest_small, hidden_dim=128, vocab_size=300)  # a vocabulary for the corpus
 run = dict(seq_len=128, batch_size=4, warmup=2, lr=3e-3, log_every=5, device="cpu")
 
 
