@@ -43,15 +43,22 @@ PROMPT_FILE = os.path.join(checkpoint.ROOT, "prompt.txt")  # about 400 tokens: s
 # Sampling, prefill and the decode loop
 
 
-def sample(logits, temperature=0.0, top_k=None):
-    """logits (Bz, vocab) -> (Bz,): greedy at temperature 0, else softmax(logits / T) over the top k."""
-    if temperature <= 0:
-        return logits.argmax(-1)
-    logits = logits.float() / temperature
-    if top_k:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.multinomial(torch.softmax(logits, -1), 1)[:, 0]
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is picked, passed whole: greedy at temperature 0, else from
+    softmax(logits / temperature) over the top_k most likely (None: all)."""
+
+    temperature: float = 0.0
+    top_k: int = None
+
+    def __call__(self, logits):  # (Bz, vocab) -> (Bz,)
+        if self.temperature <= 0:
+            return logits.argmax(-1)
+        logits = logits.float() / self.temperature
+        if self.top_k:
+            kth = torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        return torch.multinomial(torch.softmax(logits, -1), 1)[:, 0]
 
 
 @torch.no_grad()
@@ -60,8 +67,7 @@ def generate(
     prompts,
     max_new_tokens,
     *,
-    temperature=0.0,
-    top_k=None,
+    sampling=Sampling(),
     cache=None,
     eos_ids=(),
     on_token=None,
@@ -90,7 +96,7 @@ def generate(
         progress = (lambda f, i=i: on_prefill(i, f)) if on_prefill else None
         idx = torch.tensor([p], device=dev)
         logits = prefill(model, idx, cache, i, chunk, progress, stream_on_host)  # (vocab,)
-        tok[i] = sample(logits[None], temperature, top_k)[0]
+        tok[i] = sampling(logits[None])[0]
     out, done = [tok.clone()], torch.isin(tok, eos)  # (Bz,) ended
     on_token = on_token or (lambda tok: None)
     on_token(tok)
@@ -99,7 +105,7 @@ def generate(
         if eos.numel() and step % 8 == 0 and bool(done.all()):  # a host sync: every few steps
             break
         cache.finish(done)
-        tok = sample(decode(tok), temperature, top_k)
+        tok = sampling(decode(tok))
         out.append(tok)
         on_token(tok)
         done |= torch.isin(tok, eos)
@@ -141,6 +147,10 @@ class Options:
     chunk: int = None
     compile: str = "auto"
     micro_batches: int = None  # None: 2 for an offloaded batch of 16 or more, else 1
+
+    @property
+    def sampling(self):
+        return Sampling(self.temperature, self.top_k)
 
     def check(self):
         """One line for a flag out of range, before any work."""
@@ -214,15 +224,15 @@ def main(**flags):
         )
     if o.offload:
         offload.check_mode(model.cfg)
-    pl = Plan(device, dtype, batch, P, max_len, serving=o.requests is not None or batch < len(ids))
-    plan(o, model, pl)
+    served = o.requests is not None or batch < len(ids)
+    pl = plan(o, model, device, dtype, batch, P, max_len, served)
     rows = [ids[i % len(ids)] for i in range(batch)]  # prompts are cycled over the batch
-    pl.micro = speed_up(o, model, pl, rows)
+    pl = replace(pl, micro=speed_up(o, model, pl, rows))
     cache = offload.make_cache(
         model.cfg, pl.batch, pl.device, pl.dtype, pl.max_len, offload=o.offload, host_budget=pl.host
     )
     warm_up(o, model, cache, pl, rows)
-    if pl.serving:
+    if pl.served:
         return serve_requests(o, model, tokenizer, cache, pl, list(zip(ids, news, names)))
     ids = rows
     printer = (
@@ -236,8 +246,7 @@ def main(**flags):
             model,
             ids,
             o.max_new_tokens,
-            temperature=o.temperature,
-            top_k=o.top_k,
+            sampling=o.sampling,
             cache=cache,
             eos_ids=model.eos_ids,
             on_token=printer,
@@ -260,48 +269,28 @@ def main(**flags):
     return out
 
 
-@dataclass
-class Plan:
-    """What main settles before anything is allocated, passed whole: the device and dtype, the rows,
-    the longest prompt P and sequence max_len, whether requests are served (more prompts than rows,
-    or a file of them), and the memory plan (plan): the weights' bytes, the GPU and host budgets in
-    bytes, the prefill's chunk and whether its residual stream waits in host memory; and the
-    micro-batches of a step (speed_up)."""
-
-    device: torch.device
-    dtype: torch.dtype
-    batch: int
-    P: int
-    max_len: int
-    serving: bool = False
-    weights: int = 0
-    gpu: float = None
-    host: float = None
-    chunk: int = None
-    on_host: bool = False
-    micro: int = 1
-
-
-def plan(o, model, pl):
+def plan(o, model, device, dtype, batch, P, max_len, served):
     """The budgets (GiB flags, else the GPU's free memory and what the host has) and the memory
-    plan (memory.plan_memory), into pl."""
+    plan (memory.plan_memory) of `batch` rows, the longest prompt P and sequence max_len; on the
+    device. Returns the memory.Plan."""
     tensors = [*model.parameters(), *model.buffers()]  # (of this process's shard, under tp.py)
-    pl.weights = sum(t.numel() * t.element_size() for t in tensors)
-    pl.gpu = o.gpu_budget and o.gpu_budget * 2**30
-    if pl.gpu is None and pl.device.type == "cuda":
-        pl.gpu = torch.cuda.mem_get_info(pl.device)[0] + torch.cuda.memory_allocated(pl.device)
-    pl.host = o.host_budget and o.host_budget * 2**30
-    if pl.host is None and o.offload:
-        pl.host = memory.host_bytes_available()
-    cfg, Bz = model.cfg, pl.batch
-    pl.chunk, pl.on_host = memory.plan_memory(
-        cfg, pl.weights, Bz, pl.P, pl.max_len, pl.dtype, gpu_budget=pl.gpu, host_budget=pl.host,
-        offload=o.offload, chunk=o.chunk, served=pl.serving,
+    weights = sum(t.numel() * t.element_size() for t in tensors)
+    gpu = o.gpu_budget and o.gpu_budget * 2**30
+    if gpu is None and device.type == "cuda":
+        gpu = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_allocated(device)
+    host = o.host_budget and o.host_budget * 2**30
+    if host is None and o.offload:
+        host = memory.host_bytes_available()
+    pl = memory.plan_memory(
+        model.cfg, weights, batch, P, max_len, dtype, gpu_budget=gpu, host_budget=host,
+        offload=o.offload, chunk=o.chunk, served=served,
     )  # fmt: skip
-    need_host = memory.cache_bytes(cfg, Bz, pl.max_len, pl.dtype)[1]
-    tight = o.offload and memory.host_warning(need_host)
+    tight = o.offload and memory.host_warning(
+        memory.cache_bytes(model.cfg, batch, max_len, dtype)[1]
+    )
     if tight:
         print(tight, file=sys.stderr)
+    return replace(pl, device=device)
 
 
 def warm_up(o, model, cache, pl, ids):
@@ -312,7 +301,7 @@ def warm_up(o, model, cache, pl, ids):
         return
     warm = [p[: 64 + i % 2] for i, p in enumerate(ids)]
     generate(
-        model, warm, 2, temperature=o.temperature, top_k=o.top_k, cache=cache, chunk=pl.chunk,
+        model, warm, 2, sampling=o.sampling, cache=cache, chunk=pl.chunk,
         micro_batches=pl.micro,
     )  # fmt: skip
     torch.cuda.synchronize()
@@ -440,7 +429,7 @@ def serve_requests(o, model, tokenizer, cache, pl, requests):
             f"{ttft:.2f} s, then {rate:.1f} tokens/s"
         )
 
-    pick = lambda logits: sample(logits, o.temperature, o.top_k)
+    pick = o.sampling
     budget = serve.Budget(model.cfg.n_layer, o.prefill_budget, o.max_stall)
     t0 = time.perf_counter()
     with jsonl or contextlib.nullcontext(), console.profiler(o.profile, device) as prof:

@@ -12,6 +12,7 @@ the GPU (tests/test_generate.py).
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -155,6 +156,30 @@ def gib(n):
     return f"{n / 2**30:.2f} GiB"
 
 
+@dataclass(frozen=True)
+class Plan:
+    """A generation's memory plan (plan_memory), settled before anything is allocated and passed
+    whole: the rows, the longest prompt P and sequence max_len, the dtype, the weights' bytes, the
+    GPU and host budgets in bytes (None: not bounded), whether the cache is offloaded and whether a
+    prompt prefills beside the decoding batch (served), the prefill's chunk and whether its residual
+    stream waits in host memory; then, where the caller settles them, the device and the
+    micro-batches of a decode step (fast.GraphedDecode)."""
+
+    batch: int
+    P: int
+    max_len: int
+    dtype: torch.dtype
+    weights: int = 0
+    gpu: float = None
+    host: float = None
+    offload: bool = True
+    served: bool = False
+    chunk: int = None
+    on_host: bool = False
+    device: torch.device = None
+    micro: int = 1
+
+
 def plan_memory(
     cfg,
     weights,
@@ -172,15 +197,28 @@ def plan_memory(
     """Check a generation against the memory budgets before anything is allocated: the weights, the
     cache of Bz sequences of up to max_len tokens (cache_bytes), and the larger of a prefill's working
     memory (prompts of up to prompt_len tokens) and a decode step's, or both where a prompt prefills
-    beside the decoding batch (served: serve.py). Returns the prefill's chunk
+    beside the decoding batch (served: serve.py). Returns the Plan, with the prefill's chunk
     (`chunk`, or the largest of PREFILL_CHUNKS that fits) and whether the prompt's residual stream
     must wait in host memory (when it does not fit on the GPU beside the cache). A budget that does
     not fit is a MemoryError that says what does."""
+    fits = lambda c, on_host: Plan(
+        Bz,
+        prompt_len,
+        max_len,
+        dtype,
+        weights,
+        gpu_budget,
+        host_budget,
+        offload,
+        served,
+        c,
+        on_host,
+    )
     need_gpu, _ = cache_bytes(cfg, Bz, max_len, dtype, offload)
     check_host(cfg, Bz, max_len, dtype, host_budget, offload)
     chunks = [chunk] if chunk else [c for c in PREFILL_CHUNKS if c < prompt_len] or [prompt_len]
     if gpu_budget is None:
-        return chunks[0], False
+        return fits(chunks[0], False)
     room = gpu_budget - weights - need_gpu
     both = lambda prefill, step: prefill + step if served else max(prefill, step)
     if room >= decode_bytes(cfg, Bz, max_len, dtype):
@@ -193,7 +231,7 @@ def plan_memory(
                     )
                     <= room
                 ):
-                    return c, on_host
+                    return fits(c, on_host)
     least = prefill_bytes(cfg, prompt_len, min(chunks), dtype, True)
     n = largest(
         lambda n: (

@@ -87,7 +87,7 @@ def long_generation(control, systems_, val, dev, *, n=8, prompt=2048, new=2048):
     """The paper's long-generation claim: n held-out prompts continued for `new` tokens by each
     system (sampled, temperature 0.8, top-k 50, the same seed), scored by the control model: its
     loss on the continuation, per half."""
-    from generate import generate
+    from generate import Sampling, generate
     from kvcache import KVCache
 
     starts = np.linspace(0, len(val) - prompt - 1, n).astype(int) + prompt // 7
@@ -104,7 +104,7 @@ def long_generation(control, systems_, val, dev, *, n=8, prompt=2048, new=2048):
         )
         torch.manual_seed(0)
         cache = KVCache(model.cfg, n, dev, judge.embed_tokens.weight.dtype, prompt + new)
-        outs = generate(model, prompts, new, temperature=0.8, top_k=50, cache=cache)
+        outs = generate(model, prompts, new, sampling=Sampling(0.8, 50), cache=cache)
         x = torch.tensor([p + o[:new] for p, o in zip(prompts, outs)], device=dev)
         logits = judge(x[:, :-1])[:, prompt - 1 :].float()
         nll = F.cross_entropy(logits.flatten(0, 1), x[:, prompt:].flatten(), reduction="none")
@@ -282,7 +282,7 @@ def bench_pretrained(
 def offloaded_decode(model, prompt_ids, new_tokens):
     """The held-out prompts decoded together through the offload engine (after a short warm-up
     whose moves are not counted): hit rate, blocks and MB moved a step."""
-    from generate import generate
+    from generate import Sampling, generate
     from offload import OffloadCache
 
     cfg, w = model.cfg, model.embed_tokens.weight
@@ -291,7 +291,7 @@ def offloaded_decode(model, prompt_ids, new_tokens):
     generate(model, [p[: 64 + i % 2] for i, p in enumerate(prompt_ids)], 2, cache=cache)
     cache.reset_stats()
     torch.manual_seed(0)
-    generate(model, prompt_ids, new_tokens, temperature=0.8, top_k=50, cache=cache)
+    generate(model, prompt_ids, new_tokens, sampling=Sampling(0.8, 50), cache=cache)
     s = cache.stats
     steps, moved = max(s.steps, 1), s.moved.sum().item()
     return dict(

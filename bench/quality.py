@@ -67,7 +67,7 @@ def bench_quality(
     and scored by the judge (default: ckpts/tiny-full; best a full-attention model that is none of
     the contestants). 'full-as-infllmv2' is the training-free baseline: the full-attention model
     decoded with InfLLMv2-style selection at the same budget k."""
-    from generate import generate
+    from generate import Sampling, generate
     from kvcache import KVCache
     from offload import OffloadCache
 
@@ -103,7 +103,7 @@ def bench_quality(
                 else KVCache(cfg, n_prompts, dev, torch.float32, prompt_len + max_new_tokens)
             )
             torch.manual_seed(0)
-            gen = generate(model, prompts, max_new_tokens, temperature=0.8, top_k=50, cache=cache)
+            gen = generate(model, prompts, max_new_tokens, sampling=Sampling(0.8, 50), cache=cache)
             full = torch.tensor([p + g for p, g in zip(prompts, gen)], device=dev)
             judged = token_losses(judge, full)[:, prompt_len - 1 :]
         row = dict(

@@ -34,7 +34,7 @@ from prefill import prefill
 
 def largest_plan(cfg, weights, requests, prompt_len, max_len, dtype, *, budgets, use_offload,
                  served=False):  # fmt: skip
-    """The largest batch up to `requests` that plan_memory accepts, with its (chunk, stream_on_host)."""
+    """The largest batch up to `requests` that plan_memory accepts, its chunk and stream_on_host."""
     plan = lambda Bz: memory.plan_memory(
         cfg, weights, Bz, prompt_len, max_len, dtype, gpu_budget=budgets[0],
         host_budget=budgets[1] if use_offload else None, offload=use_offload, served=served,
@@ -47,7 +47,8 @@ def largest_plan(cfg, weights, requests, prompt_len, max_len, dtype, *, budgets,
             return False
 
     Bz = memory.largest(fits, requests)
-    return Bz, plan(Bz) if Bz else (None, False)
+    pl = plan(Bz) if Bz else None
+    return (Bz, pl.chunk, pl.on_host) if pl else (0, None, False)
 
 
 def system(name, shape, max_len, requests, prompt_len, budgets, *, served=False):
@@ -68,7 +69,7 @@ def system(name, shape, max_len, requests, prompt_len, budgets, *, served=False)
     if cuda:  # every system prefills and decodes with its small operations compiled
         compile_model(model, prefill=True)
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    Bz, (chunk, on_host) = largest_plan(
+    Bz, chunk, on_host = largest_plan(
         model.cfg, weights, requests, prompt_len, max_len, dtype, budgets=budgets,
         use_offload=use_offload, served=served,
     )  # fmt: skip

@@ -156,9 +156,9 @@ def test_memory_plan_picks_the_chunk_and_says_what_fits():
     with pytest.raises(MemoryError, match=r"at most \d+ sequences fit") as e:
         memory.plan_memory(cfg, weights, 40, P, P + 1024, torch.bfloat16, gpu_budget=budget)
     n = int(str(e.value).split("at most ")[1].split()[0])
-    chunk, on_host = memory.plan_memory(
-        cfg, weights, n, P, P + 1024, torch.bfloat16, gpu_budget=budget
-    )
+    pl = memory.plan_memory(cfg, weights, n, P, P + 1024, torch.bfloat16, gpu_budget=budget)
+    chunk, on_host = pl.chunk, pl.on_host
+    assert (pl.batch, pl.P, pl.max_len, pl.gpu, pl.weights) == (n, P, P + 1024, budget, weights)
     # the benchmark's batch, with a prefill beside it
     assert chunk in memory.PREFILL_CHUNKS and n >= 28
     # bounded by the chunk, not T x vocab

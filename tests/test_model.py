@@ -10,7 +10,7 @@ import config
 import eviction
 import nosa
 from config import Config
-from generate import generate, sample
+from generate import Sampling, generate
 from kvcache import KVCache
 from prefill import prefill
 from tests.conftest import decode_logits, make_model, small
@@ -173,11 +173,11 @@ def test_model_gradients_reach_eviction_head(attn):
 
 def test_sampling():
     logits = torch.randn(4, 50)
-    assert torch.equal(sample(logits), logits.argmax(-1))
-    assert torch.equal(sample(logits, temperature=1.0, top_k=1), logits.argmax(-1))
+    assert torch.equal(Sampling()(logits), logits.argmax(-1))
+    assert torch.equal(Sampling(temperature=1.0, top_k=1)(logits), logits.argmax(-1))
     top3 = torch.topk(logits, 3).indices
     for _ in range(20):
-        s = sample(logits, temperature=2.0, top_k=3)
+        s = Sampling(temperature=2.0, top_k=3)(logits)
         assert (top3 == s[:, None]).any(-1).all()
 
 

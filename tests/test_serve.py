@@ -204,9 +204,13 @@ def test_a_served_plan_holds_a_prefill_beside_the_decode_step():
     )
     fixed = weights + memory.cache_bytes(cfg, Bz, L, dtype, True)[0]
     step = memory.decode_bytes(cfg, Bz, L, dtype)
-    plan = lambda room, served: memory.plan_memory(
-        cfg, weights, Bz, P, L, dtype, gpu_budget=fixed + room, chunk=4096, served=served
-    )
+
+    def plan(room, served):  # -> (chunk, on_host)
+        pl = memory.plan_memory(
+            cfg, weights, Bz, P, L, dtype, gpu_budget=fixed + room, chunk=4096, served=served
+        )
+        return pl.chunk, pl.on_host
+
     for on_host in (False, True):  # the residual stream on the GPU, or waiting in host memory
         pre = memory.prefill_bytes(cfg, P, 4096, dtype, on_host)
         assert pre > step and plan(pre, False) == (4096, on_host)
