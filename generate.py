@@ -8,7 +8,7 @@ Generate text with a NOSA model.
 
 Prints the text (a single prompt's as it is generated), then greppable lines: tokens/sec, and with
 --offload the cache hit rate and the bytes moved per step. Sequences end at the checkpoint's
-end-of-sequence token, or after --max-new-tokens. Given more prompts than rows (--batch), or a file
+end-of-sequence token, or after --max-new-tokens. Given more prompts than sequences (--batch), or a file
 of requests, it serves them by continuous batching (serve.py): each request's text as it ends, or a
 JSON line in --completions, with its time to first token and tokens/s.
 """
@@ -109,9 +109,9 @@ def generate(
         out.append(tok)
         on_token(tok)
         done |= torch.isin(tok, eos)
-    rows = torch.stack(out, 1).tolist()
+    seqs = torch.stack(out, 1).tolist()
     eos = set(eos_ids)
-    return [r[: next((i + 1 for i, t in enumerate(r) if t in eos), len(r))] for r in rows]
+    return [s[: next((i + 1 for i, t in enumerate(s) if t in eos), len(s))] for s in seqs]
 
 
 # -----------------------------------------------------------------------------
@@ -130,7 +130,7 @@ class Options:
     prefill_budget: int = None  # served: prompt tokens a decode step waits for (None: by stall)
     max_stall: float = 2.0  # served: a step beside a prefill at most this many times a step alone
     max_new_tokens: int = 300
-    batch: int = None  # rows; None: one per prompt
+    batch: int = None  # sequences decoded together; None: one per prompt
     temperature: float = 0.8
     top_k: int = 50
     offload: bool = False
@@ -226,15 +226,15 @@ def main(**flags):
         offload.check_mode(model.cfg)
     served = o.requests is not None or batch < len(ids)
     pl = plan(o, model, device, dtype, batch, P, max_len, served)
-    rows = [ids[i % len(ids)] for i in range(batch)]  # prompts are cycled over the batch
-    pl = replace(pl, micro=speed_up(o, model, pl, rows))
+    cycled = [ids[i % len(ids)] for i in range(batch)]  # prompts are cycled over the batch
+    pl = replace(pl, micro=speed_up(o, model, pl, cycled))
     cache = offload.make_cache(
         model.cfg, pl.batch, pl.device, pl.dtype, pl.max_len, offload=o.offload, host_budget=pl.host
     )
-    warm_up(o, model, cache, pl, rows)
+    warm_up(o, model, cache, pl, cycled)
     if pl.served:
         return serve_requests(o, model, tokenizer, cache, pl, list(zip(ids, news, names)))
-    ids = rows
+    ids = cycled
     printer = (
         None if batch > 1 or o.quiet or o.prompt_len else console.Printer(tokenizer, model.eos_ids)
     )
@@ -271,7 +271,7 @@ def main(**flags):
 
 def plan(o, model, device, dtype, batch, P, max_len, served):
     """The budgets (GiB flags, else the GPU's free memory and what the host has) and the memory
-    plan (memory.plan_memory) of `batch` rows, the longest prompt P and sequence max_len; on the
+    plan (memory.plan_memory) of `batch` sequences, the longest prompt P and sequence max_len; on the
     device. Returns the memory.Plan."""
     tensors = [*model.parameters(), *model.buffers()]  # (of this process's shard, under tp.py)
     weights = sum(t.numel() * t.element_size() for t in tensors)
@@ -450,7 +450,7 @@ def serve_requests(o, model, tokenizer, cache, pl, requests):
     console.export_trace(prof, o.profile)
     n_tok = sum(len(r.out) for r in reqs)
     print(
-        f"served: {len(reqs)} requests over {len(cache.len)} rows in {total:.2f} s, {n_tok} new "
+        f"served: {len(reqs)} requests over {len(cache.len)} sequences in {total:.2f} s, {n_tok} new "
         f"tokens ({n_tok / total:.1f} tokens/s); time to first token: median "
         f"{ttft[len(ttft) // 2]:.2f} s, p90 {ttft[(9 * len(ttft)) // 10]:.2f} s, max "
         f"{ttft[-1]:.2f} s ({model.cfg.attn}, {device})"
@@ -520,8 +520,8 @@ def cli(argv=None):
     add(
         "--batch",
         type=int,
-        help="rows: sequences decoded together (default: one per prompt; prompts are cycled over "
-        "more rows, and more prompts than rows are served by continuous batching)",
+        help="sequences decoded together (default: one per prompt; prompts are cycled over more, "
+        "and more prompts than this are served by continuous batching)",
     )
     add("--temperature", type=float, help="0 for greedy decoding")
     add("--top-k", type=int, help="sample among the k most likely tokens (0: all)")

@@ -31,7 +31,7 @@ class Blocks(NamedTuple):
 
 
 def write_now(t, index, value):
-    """t[index] = value: how a prefill writes a row's decode state unless serving defers it."""
+    """t[index] = value: how a prefill writes a sequence's decode state unless serving defers it."""
     t[index] = value
 
 
@@ -45,13 +45,13 @@ class Cache:
     and prefill(layer, seq, k, v, c, pooled, put) for a prompt (prefill.py), advance() after a step,
     finish(done) for sequences that ended. Every cache keeps the lengths: tokens per sequence on the
     device (read by the decode step) and on the host (read by the Python that sizes and launches it,
-    without a device sync; never below the device's). A row that is not active does not advance
+    without a device sync; never below the device's). A sequence that is not active does not advance
     (serve.Parked holds one back while a new prompt prefills into it).
     capacity(): the positions below which a step keeps its shapes (fast.GraphedDecode).
 
-    A prefill writes a row's decode state (what a step writes for it too: its entries at position
+    A prefill writes a sequence's decode state (what a step writes for it too: its entries at position
     0, the rings, the E-list, the tail and the tables, the length) through `put(t, index, value)`:
-    at once by default (write_now), later where serving holds the row back (serve.Parked)."""
+    at once by default (write_now), later where serving holds the sequence back (serve.Parked)."""
 
     moves_blocks = False  # whether blocks() and flush() move blocks (offload.OffloadCache)
 
@@ -59,7 +59,7 @@ class Cache:
         self.cfg = cfg
         self.len = torch.zeros(Bz, dtype=torch.long, device=device)
         self.len_cpu = torch.zeros(Bz, dtype=torch.long)
-        self.active = torch.ones(Bz, dtype=torch.bool, device=device)  # rows that advance
+        self.active = torch.ones(Bz, dtype=torch.bool, device=device)  # sequences that advance
         self.active_cpu = torch.ones(Bz, dtype=torch.bool)
         self.sub = None  # the pooled state (SubBlockCache) of a sparse mode
 
@@ -79,7 +79,7 @@ class Cache:
     def capacity(self):
         raise NotImplementedError
 
-    def set_length(self, seq, T, put):  # after a prefill of T tokens into row seq
+    def set_length(self, seq, T, put):  # after a prefill of T tokens into sequence seq
         put(self.len, seq, T)
         put(self.len_cpu, seq, T)
 
@@ -121,7 +121,7 @@ class SubBlockCache:
     there. Stored here only: nosa.update_pooled changes it a token at a time, and a prompt's is
     written whole (prefill). Both caches use it."""
 
-    # one tensor per layer, a row per sequence
+    # one tensor per layer, indexed by sequence first
     BUFFERS = ("ring_k", "ring_c", "K_sub", "c_sub", "e_list_ids", "e_list_E", "h")
 
     def __init__(self, cfg, Bz, device, dtype, max_len=0):
@@ -143,7 +143,7 @@ class SubBlockCache:
         if cfg.heavy_hitters:
             self.h = [torch.zeros(Bz, H, nb, device=device, dtype=cdt) for _ in range(L)]
 
-    def rows(self, a, b):
+    def seqs(self, a, b):
         """The caches of sequences a..b-1 (views; see offload.OffloadCache.split)."""
         part = copy.copy(self)
         for name in self.BUFFERS:
@@ -174,7 +174,7 @@ class SubBlockCache:
         if c is not None:
             self.c_sub[layer][seq, :, :M] = c_sub
             put(self.ring_c[layer], ring, c[:, tail])
-        if self.h:  # the row's whole h: what a sequence before left beyond the prompt goes
+        if self.h:  # the sequence's whole h: what a sequence before left beyond the prompt goes
             self.h[layer][seq] = 0
             self.h[layer][seq, :, : h.shape[1]] = h
         # the E-list as of the last prompt token: the next step adds what leaves the window
@@ -207,7 +207,9 @@ class KVCache(Cache):
         T = k.shape[1]
         self._grow(layer, T)
         self.k[layer][seq, :, 1:T], self.v[layer][seq, :, 1:T] = k[:, 1:], v[:, 1:]
-        put(self.k[layer], (seq, slice(None), 0), k[:, 0])  # where a held-back row's steps write
+        put(
+            self.k[layer], (seq, slice(None), 0), k[:, 0]
+        )  # where a held-back sequence's steps write
         put(self.v[layer], (seq, slice(None), 0), v[:, 0])
         if c is not None:
             self.c[layer][seq, :, 1:T] = c[:, 1:]
@@ -228,12 +230,12 @@ class KVCache(Cache):
     def write(self, layer, k, v, c):
         """k, v (Bz, H_kv, d), c (Bz, H_kv) or None: the new token of every sequence, at its
         position -> the blocks selection ranges over: those of the tokens attention spans (S)."""
-        pos, rows = self.len, torch.arange(k.shape[0], device=k.device)
+        pos, seqs = self.len, torch.arange(k.shape[0], device=k.device)
         max_pos = int(self.len_cpu.max())
         self._grow(layer, max_pos + 1)
-        self.k[layer][rows, :, pos], self.v[layer][rows, :, pos] = k, v
+        self.k[layer][seqs, :, pos], self.v[layer][seqs, :, pos] = k, v
         if c is not None:
-            self.c[layer][rows, :, pos] = c
+            self.c[layer][seqs, :, pos] = c
         if self.sub:
             self.sub.reserve(layer, max_pos + 1)
         return self.cfg.n_blocks(max(self.capacity(), max_pos + 1))  # (S)

@@ -159,7 +159,7 @@ def gib(n):
 @dataclass(frozen=True)
 class Plan:
     """A generation's memory plan (plan_memory), settled before anything is allocated and passed
-    whole: the rows, the longest prompt P and sequence max_len, the dtype, the weights' bytes, the
+    whole: the sequences, the longest prompt P and sequence max_len, the dtype, the weights' bytes, the
     GPU and host budgets in bytes (None: not bounded), whether the cache is offloaded and whether a
     prompt prefills beside the decoding batch (served), the prefill's chunk and whether its residual
     stream waits in host memory; then, where the caller settles them, the device and the

@@ -224,7 +224,7 @@ def nosa_decode(q, k, v, c, layer, cache, cfg):
         with record_function("selection"):
             keys, key_pos, key_bias = window_keys(kv, bias, pos, cfg)
             G, d = cfg.G, q.shape[-1]
-            at = pos[:, None, None]  # (Bz, 1, 1): one query a row
+            at = pos[:, None, None]  # (Bz, 1, 1): one query a sequence
             p = eviction.window_attention(
                 q.view(-1, cfg.H_kv, G, 1, d), keys, key_pos, key_bias, at, cfg
             )

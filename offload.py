@@ -250,8 +250,8 @@ class OffloadCache(Cache):
     over all its blocks at every step (static shapes for fast.GraphedDecode): size it to the
     job, as generate.py does."""
 
-    # the buffers, one tensor per layer each: those with a row per (sequence, KV head), and those with a
-    # row per sequence (split slices both; the memory model, memory.cache_bytes, counts them; a test checks both)
+    # the buffers, one tensor per layer each: those with a row per (sequence, KV head), and those
+    # indexed by sequence (split slices both; the memory model, memory.cache_bytes, counts them; a test checks both)
     moves_blocks = True
     ROWS = ("host", "pool", "tail", "slot_block", "block_slot", "fetch", "fresh")
     SEQS = ("c",)
@@ -313,7 +313,7 @@ class OffloadCache(Cache):
 
     def prefill(self, layer, seq, k, v, c, pooled=None, put=write_now):
         """One sequence's prompt: k, v (H_kv, T, d), c (H_kv, T), and where the caller has them its
-        pooled caches (SubBlockCache.prefill); put: how the row's decode state is written (Cache).
+        pooled caches (SubBlockCache.prefill); put: how the sequence's decode state is written (Cache).
         Whole blocks go to the host store, the rest to the tail; nothing is resident yet, so the
         first step gathers its selection."""
         cfg, T = self.cfg, k.shape[1]
@@ -341,7 +341,7 @@ class OffloadCache(Cache):
         if c is not None:
             self.c[layer] = grow(self.c[layer], T, 2)
             self.c[layer][seq, :, 1:T] = c[:, 1:]
-            # position 0, where a held-back row's steps write
+            # position 0, where a held-back sequence's steps write
             put(self.c[layer], (seq, slice(None), 0), c[:, 0])
         self.sub.prefill(layer, seq, k, c, pooled, put)
         if layer == cfg.n_layer - 1:
@@ -370,7 +370,7 @@ class OffloadCache(Cache):
             for name in self.SEQS:
                 setattr(part, name, [t[a:b] for t in getattr(self, name)])
             part.sub, part.stats, part.part, part.pcie = (
-                self.sub.rows(a, b),
+                self.sub.seqs(a, b),
                 self.stats.rows(a * H, b * H),
                 True,
                 pcie,

@@ -87,18 +87,18 @@ def append_subblocks(ring_k, ring_c, K_sub, c_sub, k, c, pos, cfg):
     Kernel: pooling_kernels.append_subblocks."""
     if use_kernels(k, cfg):
         return pooling_kernels.append_subblocks(ring_k, ring_c, K_sub, c_sub, k, c, pos, cfg)
-    rows = torch.arange(k.shape[0], device=k.device)
-    ring_k[rows, :, pos % cfg.l_c] = k
+    seqs = torch.arange(k.shape[0], device=k.device)
+    ring_k[seqs, :, pos % cfg.l_c] = k
     if c is not None:
-        ring_c[rows, :, pos % cfg.l_c] = c
+        ring_c[seqs, :, pos % cfg.l_c] = c
     if K_sub.shape[2] == 0:  # no sub-block can be complete yet
         return
     start = pos + 1 - cfg.l_c  # first token of the sub-block that ends at pos, (Bz,)
     done = ((start >= 0) & (start % cfg.s_c == 0))[:, None]  # (Bz, 1)
     m = (start // cfg.s_c).clamp(min=0)  # (Bz,)
     order = (start[:, None] + torch.arange(cfg.l_c, device=k.device)) % cfg.l_c  # in token order
-    new = ring_k[rows[:, None], :, order].mean(1)  # (Bz, H_kv, d)
-    K_sub[rows, :, m] = torch.where(done[..., None], new, K_sub[rows, :, m])
+    new = ring_k[seqs[:, None], :, order].mean(1)  # (Bz, H_kv, d)
+    K_sub[seqs, :, m] = torch.where(done[..., None], new, K_sub[seqs, :, m])
     if c is not None:
-        new = ring_c[rows[:, None], :, order].mean(1)  # (Bz, H_kv)
-        c_sub[rows, :, m] = torch.where(done, new, c_sub[rows, :, m])
+        new = ring_c[seqs[:, None], :, order].mean(1)  # (Bz, H_kv)
+        c_sub[seqs, :, m] = torch.where(done, new, c_sub[seqs, :, m])

@@ -17,7 +17,7 @@ import pooling
 
 
 def prefill(model, idx, cache, seq, chunk=None, progress=None, stream_on_host=False):
-    """A prompt idx (1, T) into row `seq` of the cache -> the logits of its last position (vocab,).
+    """A prompt idx (1, T) into sequence `seq` of the cache -> the logits of its last position (vocab,).
 
     chunk: tokens a chunk (default: all). The last layer computes only the keys of the chunks
     before the one that holds the last position: its output there would feed nothing.

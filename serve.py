@@ -1,27 +1,27 @@
 """
-Continuous batching: whole requests served over the Bz rows of a decode cache (offloaded or
-resident), each admitted when it has arrived and a row is free. A row whose sequence ends (EOS, or
+Continuous batching: whole requests served over the Bz sequences of a decode cache (offloaded
+or resident), each admitted when it has arrived and a sequence is free. A sequence that ends (EOS, or
 its max_new_tokens) takes the next waiting request, and that request's prompt prefills a chunk at
-a time between the decode steps of the other rows: per step, the passes (a chunk through one
+a time between the decode steps of the other sequences: per step, the passes (a chunk through one
 layer each) that a
 token budget allows (Budget: a fixed number of prompt tokens through every layer, or by default as
 many as keep a step within twice a step alone, the chunk shortened where one is too many), as
 chunked prefill's token budget in serving engines keeps the
 time between tokens bounded. On a GPU the prefill runs on a stream of its own, beside the step
 (which has the higher priority), and the next step waits for the passes; on a CPU they run after
-the step. generate.py serves this way when it is given more requests than rows, or a file of them.
+the step. generate.py serves this way when it is given more requests than --batch, or a file of them.
 
-One prompt prefills at a time. The memory model (memory.plan_memory) sized the cache for Bz rows of
-max_len tokens and one prefill's activations beside them, so a request is admitted when a row is
-free, no other prompt is prefilling, and its prompt and new tokens fit a row.
+One prompt prefills at a time. The memory model (memory.plan_memory) sized the cache for Bz sequences of
+max_len tokens and one prefill's activations beside them, so a request is admitted when a sequence
+is free, no other prompt is prefilling, and its prompt and new tokens fit max_len.
 
 Each turn of the loop:
-  1. admit: a free row is held back (Parked: it waits at position 0) and the next arrived prompt
+  1. admit: a free sequence is held back (Parked: it waits at position 0) and the next arrived prompt
      starts there (with nothing running and nothing arrived, wait for the next arrival)
-  2. one decode step of every row (`decode`); the parked rows' outputs are ignored
+  2. one decode step of every sequence (`decode`); the parked ones' outputs are ignored
   3. launch the prefill's next passes; the next decode step waits for them
-  4. the step's tokens to the host: a row whose sequence ends is parked, its request done
-  5. a prefill that has run to its end: its row starts (Parked.start) with the prompt's next token
+  4. the step's tokens to the host: a sequence that ends is parked, its request done
+  5. a prefill that has run to its end: its sequence starts (Parked.start) with the prompt's next token
 """
 
 import json
@@ -57,16 +57,16 @@ class Request:
 
 
 class Parked:
-    """Row `row` of a decode cache held back from decoding: it waits at position 0 and does not
+    """Sequence `seq` of a decode cache held back from decoding: it waits at position 0 and does not
     advance, so a step of the batch costs it one key, while a new prompt may prefill into it. What
-    that prefill writes of the row's decode state (kvcache.Cache: the entries at position 0, the
+    that prefill writes of the sequence's decode state (kvcache.Cache: the entries at position 0, the
     rings, the E-list, the tail and the tables, the length), which the batch's steps write for the
-    row meanwhile, waits here for start()."""
+    sequence meanwhile, waits here for start()."""
 
-    def __init__(self, cache, row):
-        self.cache, self.row, self.writes = cache, row, []
-        cache.len[row] = cache.len_cpu[row] = 0
-        cache.active[row] = cache.active_cpu[row] = False
+    def __init__(self, cache, seq):
+        self.cache, self.seq, self.writes = cache, seq, []
+        cache.len[seq] = cache.len_cpu[seq] = 0
+        cache.active[seq] = cache.active_cpu[seq] = False
 
     def prefill(self, layer, seq, k, v, c, pooled=None):  # what prefill.prefill_passes calls
         self.cache.prefill(layer, seq, k, v, c, pooled, put=self.put)
@@ -75,28 +75,28 @@ class Parked:
         self.writes.append((t, index, value.clone() if torch.is_tensor(value) else value))
 
     def start(self):
-        """The row decodes from its prefill on: the writes that waited, on the current stream
+        """The sequence decodes from its prefill on: the writes that waited, on the current stream
         (after the prefill's, where it ran on another)."""
         for t, index, value in self.writes:
             if torch.is_tensor(value) and value.is_cuda:  # memory not reused before the copy ran
                 value.record_stream(torch.cuda.current_stream(value.device))
             t[index] = value
-        self.cache.active[self.row] = self.cache.active_cpu[self.row] = True
+        self.cache.active[self.seq] = self.cache.active_cpu[self.seq] = True
 
 
 class Prefill:
-    """A prompt prefilling into a held-back row a chunk at a time (prefill.prefill_passes), on
+    """A prompt prefilling into a held-back sequence a chunk at a time (prefill.prefill_passes), on
     `stream` (None: the current one). `chunk`: its tokens (the whole prompt if None)."""
 
-    def __init__(self, model, req, row, cache, stream, chunk, on_host):
-        self.req, self.row, self.stream, self.logits, self.ran = req, row, stream, None, None
+    def __init__(self, model, req, seq, cache, stream, chunk, on_host):
+        self.req, self.seq, self.stream, self.logits, self.ran = req, seq, stream, None, None
         self.chunk = min(chunk or len(req.ids), len(req.ids))
-        self.parked = Parked(cache, row)
+        self.parked = Parked(cache, seq)
         if stream is not None:  # after the park, and the steps before it
             stream.wait_stream(torch.cuda.current_stream(stream.device))
         with torch.cuda.stream(stream):
             idx = torch.tensor([req.ids], device=cache.len.device)
-        self.passes = prefill_passes(model, idx, self.parked, row, chunk, stream_on_host=on_host)
+        self.passes = prefill_passes(model, idx, self.parked, seq, chunk, stream_on_host=on_host)
 
     def launch(self, n):
         """Launch the next n passes (a chunk through one layer each), or the rest; returns an event on the stream
@@ -123,7 +123,7 @@ class Budget:
     every RETIME turns after (no pass beside it), so that prompts arriving one after another
     cannot hold the budget at its start. Where even one pass stalls a step beyond the stall for
     most of a prompt, the next prompt's chunk is half as long (the planned chunk, halved, not below
-    `least` tokens); where four fit, twice as long again. With no row decoding, nothing waits: a
+    `least` tokens); where four fit, twice as long again. With no sequence decoding, nothing waits: a
     chunk through the whole model per turn."""
 
     def __init__(self, n_layer, tokens=None, stall=2.0, least=512):
@@ -204,7 +204,7 @@ class Budget:
 @torch.no_grad()
 def serve(model, requests, cache, pick, *, eos_ids=(), chunk=None, on_host=False, decode=None,
           budget=None, on_done=None):  # fmt: skip
-    """Serve `requests` (Request) over the cache's rows, in order of arrival (each admitted no
+    """Serve `requests` (Request) over the cache's sequences, in order of arrival (each admitted no
     sooner than its arrival); returns them answered. pick(logits (n, vocab)) -> (n,) tokens: the
     sampling. chunk, on_host: the prefill's (memory.plan_memory). decode(tok (Bz,)) -> logits (Bz,
     vocab): the step (default model.decode; the scripts give fast.GraphedDecode). budget: a Budget,
@@ -216,27 +216,27 @@ def serve(model, requests, cache, pick, *, eos_ids=(), chunk=None, on_host=False
     longest = max(len(r.ids) + r.max_new_tokens for r in requests)
     if Bz == 0 or longest > cache.capacity():
         raise ValueError(
-            f"a request needs {longest} tokens and the cache has {Bz} rows of "
-            f"{cache.capacity()}: make it with a row or more and max_len={longest} or more"
+            f"a request needs {longest} tokens and the cache has {Bz} sequences of "
+            f"{cache.capacity()}: make it with a sequence or more and max_len={longest} or more"
         )
     cuda, eos = dev.type == "cuda", set(eos_ids)
     budget = budget or Budget(model.cfg.n_layer)
     decode_stream = torch.cuda.Stream(dev, priority=-1) if cuda else None  # above the prefill's
     prefill_stream = torch.cuda.Stream(dev) if cuda else None
     waiting = deque(sorted(requests, key=lambda r: r.arrival))
-    running, pre = {}, None  # running: row -> its request
+    running, pre = {}, None  # running: seq -> its request
     with torch.cuda.stream(decode_stream):
-        tok = torch.zeros(Bz, dtype=torch.long, device=dev)  # each row's last token
-        for row in range(Bz):
-            Parked(cache, row)
+        tok = torch.zeros(Bz, dtype=torch.long, device=dev)  # each sequence's last token
+        for seq in range(Bz):
+            Parked(cache, seq)
         decode = decode or (lambda tok: model.decode(tok, cache))
         t0 = time.perf_counter()
         launched = 0  # passes launched beside the last step (a step on a GPU waits for them)
 
-        def end(row, req):  # the row's sequence has its last token
+        def end(seq, req):  # the sequence has its last token
             req.t_end = req.t_tokens[-1] - req.arrival
-            del running[row]
-            Parked(cache, row)
+            del running[seq]
+            Parked(cache, seq)
             if on_done:
                 on_done(req)
 
@@ -246,10 +246,10 @@ def serve(model, requests, cache, pick, *, eos_ids=(), chunk=None, on_host=False
                 time.sleep(waiting[0].arrival - now)
                 now = waiting[0].arrival
             if pre is None and waiting and waiting[0].arrival <= now and len(running) < Bz:
-                row = min(set(range(Bz)) - set(running))  # 1. admit
+                seq = min(set(range(Bz)) - set(running))  # 1. admit
                 req = waiting.popleft()
                 c = budget.chunk(chunk or len(req.ids), len(req.ids))
-                pre = Prefill(model, req, row, cache, prefill_stream, c, on_host)
+                pre = Prefill(model, req, seq, cache, prefill_stream, c, on_host)
             if running:  # 2. a decode step
                 t_turn = time.perf_counter()
                 nxt = pick(decode(tok))
@@ -262,24 +262,24 @@ def serve(model, requests, cache, pick, *, eos_ids=(), chunk=None, on_host=False
                 tok, new = nxt, nxt.tolist()
                 t = time.perf_counter() - t0  # the step waited for passes (a CPU's ran after it)
                 budget.turn(t0 + t - t_turn, launched if cuda else n)
-                for row, req in list(running.items()):
-                    req.out.append(new[row])
+                for seq, req in list(running.items()):
+                    req.out.append(new[seq])
                     req.t_tokens.append(t)
-                    if new[row] in eos or len(req.out) == req.max_new_tokens:
-                        end(row, req)
+                    if new[seq] in eos or len(req.out) == req.max_new_tokens:
+                        end(seq, req)
             launched = n
-            if pre and pre.done():  # 5. a row starts
+            if pre and pre.done():  # 5. a sequence starts
                 budget.ended()
                 pre.parked.start()
                 if cuda:
                     pre.logits.record_stream(decode_stream)
                 first = pick(pre.logits[None])
-                tok[pre.row] = first[0]
-                req, running[pre.row] = pre.req, pre.req
+                tok[pre.seq] = first[0]
+                req, running[pre.seq] = pre.req, pre.req
                 req.out, req.t_tokens = first.tolist(), [time.perf_counter() - t0]
                 req.t_first = req.t_tokens[0] - req.arrival
                 if req.out[0] in eos or req.max_new_tokens == 1:
-                    end(pre.row, req)
+                    end(pre.seq, req)
                 pre = None
         if cuda:
             torch.cuda.current_stream().synchronize()
