@@ -40,7 +40,7 @@ def attend(q, k, v, logit_add):
     return p @ fp32(v)[:, :, None]
 
 
-def sparse_attention(q, k, v, bias, block_mask, q_pos, B):
+def sparse_attention(q, k, v, bias, block_mask, q_pos, *, B):
     """q: (Bz, H_q, T, d) at positions q_pos (Bz, T); k, v: (Bz, H_kv, S, d) keys at positions
     0..S-1; bias: (Bz, H_kv, S) or None; block_mask: (Bz, H_kv, T, nb), or None for every causal
     key. Returns (Bz, H_q, T, d). Kernel: attention_kernels.sparse_attention (Γ(t) as tiles)."""
@@ -63,16 +63,16 @@ def full_attention(q, k, v, q_pos):
     (attention_kernels.causal_sdpa)."""
     if use_kernels(q):
         return attention_kernels.causal_sdpa(q, k, v)
-    return sparse_attention(q, k, v, None, None, q_pos, 1)
+    return sparse_attention(q, k, v, None, None, q_pos, B=1)
 
 
-def sparse_decode(q, k, v, bias, block_mask, pos, cfg):
+def sparse_decode(q, k, v, bias, block_mask, pos, *, cfg):
     """sparse_attention for one query per sequence against a resident cache (kvcache.KVCache):
     q (Bz, H_q, 1, d) at positions pos (Bz,), at most k selected blocks per row.
     Kernel: decode_kernels.sparse_decode."""
     if use_kernels(q, cfg):
-        return decode_kernels.sparse_decode(q, k, v, bias, block_mask, pos, cfg.B, cfg.k)
-    return sparse_attention(q, k, v, bias, block_mask, pos[:, None], cfg.B)
+        return decode_kernels.sparse_decode(q, k, v, bias, block_mask, pos, B=cfg.B, k_sel=cfg.k)
+    return sparse_attention(q, k, v, bias, block_mask, pos[:, None], B=cfg.B)
 
 
 def slot_attention(q, pool, slot_block, bias, pos, cfg):

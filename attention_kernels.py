@@ -484,7 +484,7 @@ class SparseAttention(torch.autograd.Function):
         )
 
 
-def sparse_attention(q, k, v, bias, sel, q_pos, B):
+def sparse_attention(q, k, v, bias, sel, q_pos, *, B):
     """attention.sparse_attention with Γ(t) as Tiles (sel)."""
     return SparseAttention.apply(q, k, v, bias, sel, q_pos, B)
 

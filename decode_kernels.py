@@ -149,7 +149,7 @@ def _dense_decode(
     tl.store(L + part, l_i)
 
 
-def block_decode(q, kb, vb, ids, bias, pos, B, row, blk, tail, n_split=None):
+def block_decode(q, kb, vb, ids, bias, pos, *, B, row, blk, tail, n_split=None):
     """Launch _block_decode over R = Bz * H_kv rows of ids (R, N) and merge the splits -> (Bz, H_q, 1, D)."""
     Bz, H_q, _, D = q.shape
     R, N = ids.shape
@@ -189,15 +189,16 @@ def block_decode(q, kb, vb, ids, bias, pos, B, row, blk, tail, n_split=None):
     return merge_splits(o, m, l, G, q.dtype).reshape(Bz, H_q, 1, D)
 
 
-def slot_attention(q, pool, slot_block, bias, pos, B, n_split=None):
+def slot_attention(q, pool, slot_block, bias, pos, B, *, n_split=None):
     """attention.slot_attention (same arguments, B the block size)."""
     R, k1, _, _, D = pool.shape  # (R, k + 1, 2, B, D): K then V of each slot
     return block_decode(
-        q, pool, pool[:, :, 1], slot_block, bias, pos, B, k1 * 2 * B * D, 2 * B * D, 1, n_split
-    )
+        q, pool, pool[:, :, 1], slot_block, bias, pos, B=B, row=k1 * 2 * B * D, blk=2 * B * D,
+        tail=1, n_split=n_split,
+    )  # fmt: skip
 
 
-def sparse_decode(q, k, v, bias, block_mask, pos, B, k_sel, n_split=None):
+def sparse_decode(q, k, v, bias, block_mask, pos, *, B, k_sel, n_split=None):
     """attention.sparse_decode: over the (at most k_sel) selected blocks only, split over them. k, v (Bz, H_kv, S, d) may be the first S
     positions of a longer buffer (rows are read at their stride); pos (Bz,)."""
     Bz, H_kv, _, D = k.shape
@@ -205,7 +206,9 @@ def sparse_decode(q, k, v, bias, block_mask, pos, B, k_sel, n_split=None):
         k.stride() == v.stride() and k.stride()[2:] == (D, 1) and k.stride(0) == H_kv * k.stride(1)
     )
     ids = mask_to_indices(block_mask[:, :, 0], k_sel).view(Bz * H_kv, -1)  # ascending, -1 padded
-    return block_decode(q, k, v, ids, bias, pos, B, k.stride(1), B * D, 0, n_split)
+    return block_decode(
+        q, k, v, ids, bias, pos, B=B, row=k.stride(1), blk=B * D, tail=0, n_split=n_split
+    )
 
 
 @triton.jit

@@ -95,7 +95,9 @@ def generate(
     for i, p in enumerate(prompts):
         progress = (lambda f, i=i: on_prefill(i, f)) if on_prefill else None
         idx = torch.tensor([p], device=dev)
-        logits = prefill(model, idx, cache, i, chunk, progress, stream_on_host)  # (vocab,)
+        logits = prefill(
+            model, idx, cache, i, chunk, progress=progress, stream_on_host=stream_on_host
+        )
         tok[i] = sampling(logits[None])[0]
     out, done = [tok.clone()], torch.isin(tok, eos)  # (Bz,) ended
     on_token = on_token or (lambda tok: None)
@@ -225,7 +227,7 @@ def main(**flags):
     if o.offload:
         offload.check_mode(model.cfg)
     served = o.requests is not None or batch < len(ids)
-    pl = plan(o, model, device, dtype, batch, P, max_len, served)
+    pl = plan(o, model, device, dtype, batch=batch, P=P, max_len=max_len, served=served)
     cycled = [ids[i % len(ids)] for i in range(batch)]  # prompts are cycled over the batch
     pl = replace(pl, micro=speed_up(o, model, pl, cycled))
     cache = offload.make_cache(
@@ -269,7 +271,7 @@ def main(**flags):
     return out
 
 
-def plan(o, model, device, dtype, batch, P, max_len, served):
+def plan(o, model, device, dtype, *, batch, P, max_len, served):
     """The budgets (GiB flags, else the GPU's free memory and what the host has) and the memory
     plan (memory.plan_memory) of `batch` sequences, the longest prompt P and sequence max_len; on the
     device. Returns the memory.Plan."""

@@ -73,7 +73,7 @@ class Cache:
     def flush(self, layer):
         raise NotImplementedError
 
-    def prefill(self, layer, seq, k, v, c, pooled=None, put=write_now):
+    def prefill(self, layer, seq, k, v, c, pooled=None, *, put=write_now):
         raise NotImplementedError
 
     def capacity(self):
@@ -203,7 +203,7 @@ class KVCache(Cache):
         ]
         self.sub = SubBlockCache(cfg, Bz, device, dtype, S) if cfg.sparse else None
 
-    def prefill(self, layer, seq, k, v, c, pooled=None, put=write_now):
+    def prefill(self, layer, seq, k, v, c, pooled=None, *, put=write_now):
         T = k.shape[1]
         self._grow(layer, T)
         self.k[layer][seq, :, 1:T], self.v[layer][seq, :, 1:T] = k[:, 1:], v[:, 1:]

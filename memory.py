@@ -44,7 +44,7 @@ def cache_bytes(cfg, Bz, max_len, dtype, offload=True):
     return L * Bz * H * (k + 1) * unit + side, L * Bz * H * math.ceil(max_len / B) * unit
 
 
-def check_offload(cfg, Bz, max_len, dtype, device, gpu_budget=None, host_budget=None):
+def check_offload(cfg, Bz, max_len, dtype, device, *, gpu_budget=None, host_budget=None):
     """An offloaded cache (offload.OffloadCache) against the budgets, before anything is allocated:
     the host store against host_budget (default: what host_bytes_available says), the GPU's part
     against gpu_budget (default: the device's free memory). A MemoryError that says what to lower."""

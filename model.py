@@ -130,11 +130,11 @@ class Attention(nn.Module):
         Bz, T, _ = x.shape
         q, k, v, c = self.qkvc(x, rope)
         if cache is not None:
-            o = nosa.nosa_decode(q, k, v, c, self.layer, cache, self.cfg)
+            o = nosa.nosa_decode(q, k, v, c, self.cfg, layer=self.layer, cache=cache)
         elif prompt is not None:
             start = prompt.len
             k, v, c, selects_from = prompt.write(k, v, c, q)  # the prompt's keys so far
-            o, _ = nosa.nosa_attention(q, k, v, c, self.cfg, start, selects_from)
+            o, _ = nosa.nosa_attention(q, k, v, c, self.cfg, start=start, selects_from=selects_from)
         else:
             o, _ = nosa.nosa_attention(q, k, v, c, self.cfg)
         return self.o_proj(o.transpose(1, 2).reshape(Bz, T, -1))  # (Bz, H_q, T, d) -> (Bz, T, dim)

@@ -129,7 +129,7 @@ def select_step(Q, e_list_ids, q_pos, cfg):
     return select_blocks(Q, None, q_pos[:, None], cfg, e_list_ids)
 
 
-def select_tiles(q, K_sub, lists, q_pos, nb, cfg, first):
+def select_tiles(q, K_sub, lists, q_pos, nb, cfg, *, first):
     """The kernel path of the parallel forward's selection: Γ(t) of its queries as tiles of
     neighbouring queries (attention_kernels.Tiles), scored and selected a chunk of queries at a
     time, so no (T, nb) tensor is ever whole. Its twin is select_blocks (the tests compare)."""
@@ -140,12 +140,12 @@ def select_tiles(q, K_sub, lists, q_pos, nb, cfg, first):
     for t in range(0, T, R):  # R is a multiple of BT: chunks hold whole tiles
         pos = q_pos[:, t : t + R]
         Q = pooling.query_aware_scores(q[:, :, t : t + R], K_sub, pos, nb, cfg)  # (Bz, H_kv, R, nb)
-        parts.append(nosa_kernels.select_tiles(Q, lists, first, pos, cfg, BT, U))
+        parts.append(nosa_kernels.select_tiles(Q, lists, first, pos, cfg, BT=BT, U=U))
     idx, bits, n = parts[0] if len(parts) == 1 else (torch.cat(x, 2) for x in zip(*parts))
     return attention_kernels.Tiles(idx, bits, n, BT, T)
 
 
-def nosa_attention(q, k, v, c, cfg, start=0, selects_from=None):
+def nosa_attention(q, k, v, c, cfg, *, start=0, selects_from=None):
     """One attention layer for the queries at positions start .. start+T-1 over the keys 0 .. S-1,
     S = start + T: the training forward (start = 0, the whole sequence) and one chunk of a prefill
     (prefill.py), which selects and attends exactly as the whole forward would (it keeps what
@@ -175,21 +175,21 @@ def nosa_attention(q, k, v, c, cfg, start=0, selects_from=None):
             selects_from = pooling.compress_keys(k, cfg), lists
         K_sub, lists = selects_from
         if kernels:
-            sel = select_tiles(q, K_sub, lists, q_pos, nb, cfg, first)
+            sel = select_tiles(q, K_sub, lists, q_pos, nb, cfg, first=first)
         else:
             Q = pooling.query_aware_scores(q, K_sub, q_pos, nb, cfg)  # (Bz, H_kv, T, nb)
             ids = None if lists is None else e_lists_of_queries(lists, q_pos, first, cfg)
             sel = select_blocks(Q, None, q_pos[:, None], cfg, ids)
     bias = None if c is None else eviction.attention_bias(c, cfg.attn)
     attend = attention_kernels.sparse_attention if kernels else attention.sparse_attention
-    return attend(q, k, v, bias, sel, q_pos, cfg.B), sel
+    return attend(q, k, v, bias, sel, q_pos, B=cfg.B), sel
 
 
 # -----------------------------------------------------------------------------
 # Decoding: one token per sequence against a cache (kvcache.py, offload.py), which only stores
 
 
-def nosa_decode(q, k, v, c, layer, cache, cfg):
+def nosa_decode(q, k, v, c, cfg, *, layer, cache):
     """The decode step of one attention layer, beside the training half (nosa_attention), in
     docs/METHOD.md §6's order: one new token per sequence, each at its own position cache.len.
 
@@ -216,7 +216,7 @@ def nosa_decode(q, k, v, c, layer, cache, cfg):
         if kv.slots is not None:  # the slot pool
             o = attention.slot_attention(q, kv.k, kv.slots, bias, pos, cfg)
         elif cfg.sparse:
-            o = attention.sparse_decode(q, kv.k, kv.v, bias, block_mask, pos, cfg)
+            o = attention.sparse_decode(q, kv.k, kv.v, bias, block_mask, pos, cfg=cfg)
         else:
             o = attention.dense_decode(q, kv.k, kv.v, pos, cfg)
     # nosa-hh: what the query paid the blocks of its window joins their h (final as they leave it)
@@ -271,7 +271,7 @@ def update_pooled(sub, layer, k, c, pos, cfg):
     ring_k, ring_c, K_sub, c_sub = (
         x[layer] for x in (sub.ring_k, sub.ring_c, sub.K_sub, sub.c_sub)
     )
-    pooling.append_subblocks(ring_k, ring_c, K_sub, c_sub, k, c, pos, cfg)
+    pooling.append_subblocks(ring_k, ring_c, K_sub, c_sub, k, c, pos=pos, cfg=cfg)
     if sub.e_list_ids:  # E from c̃, or in nosa-hh from h
         scores = sub.h[layer] if cfg.heavy_hitters else c_sub
         eviction.e_list_join_leaver(sub.e_list_ids[layer], sub.e_list_E[layer], scores, pos, cfg)

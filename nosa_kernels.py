@@ -328,7 +328,7 @@ def select_step(Q, e_list_ids, q_pos, cfg):
     return out.view(torch.bool)
 
 
-def select_tiles(Q, lists, first, q_pos, cfg, BT, U):
+def select_tiles(Q, lists, first, q_pos, cfg, *, BT, U):
     """Γ(t) of T queries at q_pos (Bz, T) from their scores Q (Bz, H_kv, T, nb) and each query
     block's list (eviction.e_lists_by_block of the blocks from `first` on, or None), as
     nosa.select_blocks makes it, written as tiles of BT queries (attention_kernels.Tiles: each

@@ -60,12 +60,12 @@ def needed_blocks(sel, pos, active, H_kv, B, k):
     return ids[:, :k].contiguous(), need.sum(1)
 
 
-def write_tail(pool, c_all, k, v, c, pos, B):
+def write_tail(pool, c_all, k, v, c, pos, *, B):
     """The new token into the tail blocks (the pool's last slot), in place: pool (R, k + 1, 2, B, d),
     c_all (Bz, H_kv, S); k, v (Bz, H_kv, d), c (Bz, H_kv) or None at positions pos (Bz,).
     Kernel: offload_kernels.write_tail."""
     if use_kernels(k):
-        return offload_kernels.write_tail(pool, c_all, k, v, c, pos, B)
+        return offload_kernels.write_tail(pool, c_all, k, v, c, pos, B=B)
     Bz, H_kv, d = k.shape
     rows, slot = torch.arange(Bz * H_kv, device=k.device), (pos % B).repeat_interleave(H_kv)  # (R,)
     tail = torch.full_like(rows, pool.shape[1] - 1)
@@ -118,12 +118,12 @@ def set_difference(need, slot_block, block_slot, fetch):
     block_slot.copy_(table[:, :cap])
 
 
-def flush_tails(host, pool, slot_block, block_slot, pos, H_kv, B):
+def flush_tails(host, pool, slot_block, block_slot, pos, *, H_kv, B):
     """pos (Bz,) the position just written; a row whose tail block (pool slot k) is now full writes
     it to host[r, pos // B] and copies it into its first free slot (there is always one: at most
     k - 1 other blocks are selected). Kernel: uva_copy.cu's flush_tails (Triton without nvcc)."""
     if use_kernels(pool) and host.is_pinned():
-        return offload_kernels.flush_tails(host, pool, slot_block, block_slot, pos, H_kv, B)
+        return offload_kernels.flush_tails(host, pool, slot_block, block_slot, pos, H_kv=H_kv, B=B)
     k = slot_block.shape[1]
     p = pos.repeat_interleave(H_kv)  # (R,)
     r = torch.nonzero(p % B == B - 1)[:, 0]  # a device sync: the kernel needs none
@@ -155,13 +155,20 @@ def gather_units(host, pool, fetch):
 # Statistics
 
 
-def count_moves(fetch, n_need, fresh, needed, moved, cold, steps, row_max):
+def count_moves(fetch, n_need, fresh, *, needed, moved, cold, steps, row_max):
     """Stats of one layer's step, in place, per row: fetch (R, k) the blocks gathered, n_need (R,)
     the blocks selected, fresh (R,) rows at their first step after prefill (cleared here).
     Kernel: offload_kernels.count_moves."""
     if use_kernels(fetch):
         return offload_kernels.count_moves(
-            fetch, n_need, fresh, needed, moved, cold, steps, row_max
+            fetch,
+            n_need,
+            fresh,
+            needed=needed,
+            moved=moved,
+            cold=cold,
+            steps=steps,
+            row_max=row_max,
         )
     n_moved = (fetch >= 0).sum(1)  # (R,)
     needed += torch.where(fresh, 0, n_need)
@@ -264,7 +271,9 @@ class OffloadCache(Cache):
         self.max_len = max_len = max_len or cfg.max_seq_len
         cap = math.ceil(max_len / B)
         unit = 2 * B * d * elt
-        memory.check_offload(cfg, Bz, max_len, dtype, self.device, gpu_budget, host_budget)
+        memory.check_offload(
+            cfg, Bz, max_len, dtype, self.device, gpu_budget=gpu_budget, host_budget=host_budget
+        )
         super().__init__(cfg, Bz, device)
         self.pin = self.device.type == "cuda"
         # a prefill's copies to the store
@@ -311,7 +320,7 @@ class OffloadCache(Cache):
         table[:, :cap] = self.block_slot[layer]
         self.block_slot[layer] = table
 
-    def prefill(self, layer, seq, k, v, c, pooled=None, put=write_now):
+    def prefill(self, layer, seq, k, v, c, pooled=None, *, put=write_now):
         """One sequence's prompt: k, v (H_kv, T, d), c (H_kv, T), and where the caller has them its
         pooled caches (SubBlockCache.prefill); put: how the sequence's decode state is written (Cache).
         Whole blocks go to the host store, the rest to the tail; nothing is resident yet, so the
@@ -394,7 +403,7 @@ class OffloadCache(Cache):
         self._ensure_blocks(layer, max_pos // cfg.B + 1)
         if c is not None:
             self.c[layer] = grow(self.c[layer], max_pos + 1, 2)
-        write_tail(self.pool[layer], self.c[layer], k, v, c, pos, cfg.B)
+        write_tail(self.pool[layer], self.c[layer], k, v, c, pos, B=cfg.B)
         self.sub.reserve(layer, max_pos + 1)
         return self.host[layer].shape[1]
 
@@ -414,11 +423,11 @@ class OffloadCache(Cache):
             fetch,
             n_need,
             self.fresh[layer],
-            s.needed[layer],
-            s.moved[layer],
-            s.cold[layer],
-            s.stepped[layer],
-            s.row_max,
+            needed=s.needed[layer],
+            moved=s.moved[layer],
+            cold=s.cold[layer],
+            steps=s.stepped[layer],
+            row_max=s.row_max,
         )
         if self.pcie is None:
             gather_units(host, pool, fetch)
@@ -439,8 +448,8 @@ class OffloadCache(Cache):
             self.slot_block[layer],
             self.block_slot[layer],
             self.len,
-            cfg.H_kv,
-            cfg.B,
+            H_kv=cfg.H_kv,
+            B=cfg.B,
         )
 
 

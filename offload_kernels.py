@@ -130,7 +130,7 @@ def gather_units_triton(host, pool, fetch):
     _gather_units_kernel[(R * k,)](h, p, fetch, k, p.shape[1], h.shape[1], h.shape[2], BLOCK=1024)
 
 
-def flush_tails_triton(host, pool, slot_block, block_slot, pos, H_kv, B):
+def flush_tails_triton(host, pool, slot_block, block_slot, pos, *, H_kv, B):
     """flush_tails without nvcc."""
     R, k = slot_block.shape
     h, p = _words(host, R), _words(pool, R)
@@ -236,7 +236,7 @@ class UvaCopy:
             ctas,
         )
 
-    def flush_tails(self, host, pool, slot_block, block_slot, pos, H_kv, B):
+    def flush_tails(self, host, pool, slot_block, block_slot, pos, *, H_kv, B):
         self._check(dict(host=host, pool=pool))
         self._check(dict(slot_block=slot_block, block_slot=block_slot, pos=pos), torch.int64)
         R, k = slot_block.shape
@@ -324,7 +324,7 @@ def _write_tail_kernel(
         tl.store(C_ALL + r * S + p + dd * 0, tl.load(C + r + dd * 0), mask=dd == 0)
 
 
-def write_tail(pool, c_all, k, v, c, pos, B):
+def write_tail(pool, c_all, k, v, c, pos, *, B):
     """offload.write_tail (same arguments)."""
     Bz, H_kv, d = k.shape
     has_c = c is not None
@@ -360,7 +360,7 @@ def _count_moves_kernel(
     tl.store(FRESH + r, 0)
 
 
-def count_moves(fetch, n_need, fresh, needed, moved, cold, steps, row_max):
+def count_moves(fetch, n_need, fresh, *, needed, moved, cold, steps, row_max):
     """offload.count_moves (same arguments)."""
     R, k = fetch.shape
     _count_moves_kernel[(R,)](
@@ -393,9 +393,9 @@ def gather_units(host, pool, fetch):
         gather_units_triton(host, pool, fetch)
 
 
-def flush_tails(host, pool, slot_block, block_slot, pos, H_kv, B):
+def flush_tails(host, pool, slot_block, block_slot, pos, *, H_kv, B):
     """offload.flush_tails: uva_copy.cu, or Triton without nvcc."""
     ext = uva(pool.device)
     (ext.flush_tails if ext else flush_tails_triton)(
-        host, pool, slot_block, block_slot, pos, H_kv, B
+        host, pool, slot_block, block_slot, pos, H_kv=H_kv, B=B
     )

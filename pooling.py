@@ -80,13 +80,15 @@ def query_aware_scores(q, K_sub, q_pos, nb, cfg):
     return max_to_blocks(P, nb, cfg)  # (Bz, H_kv, T, nb)
 
 
-def append_subblocks(ring_k, ring_c, K_sub, c_sub, k, c, pos, cfg):
+def append_subblocks(ring_k, ring_c, K_sub, c_sub, k, c, *, pos, cfg):
     """Stage 1 a token at a time (a decode step), in place: k (Bz, H_kv, d) and c (Bz, H_kv) or None
     at positions pos (Bz,) go into the rings of the last l_c keys and scores (Bz, H_kv, l_c[, d]);
     where a sub-block ends at pos, its mean joins K̃ (Bz, H_kv, M, d) and c̃ (Bz, H_kv, M).
     Kernel: pooling_kernels.append_subblocks."""
     if use_kernels(k, cfg):
-        return pooling_kernels.append_subblocks(ring_k, ring_c, K_sub, c_sub, k, c, pos, cfg)
+        return pooling_kernels.append_subblocks(
+            ring_k, ring_c, K_sub, c_sub, k, c, pos=pos, cfg=cfg
+        )
     seqs = torch.arange(k.shape[0], device=k.device)
     ring_k[seqs, :, pos % cfg.l_c] = k
     if c is not None:

@@ -384,7 +384,7 @@ def _qscore1_blocks(
     tl.store(OUT + r * NB + blk, tl.maximum(own, before), mask=blk < NB)
 
 
-def query_aware_scores_decode(q, K_sub, q_pos, nb, cfg, CM=128, NBT=64):
+def query_aware_scores_decode(q, K_sub, q_pos, nb, cfg, *, CM=128, NBT=64):
     """pooling.query_aware_scores for one query per sequence (decode), as two key-parallel kernels:
     the grid spans the compressed keys, not just the Bz * H_kv rows, so one query fills the GPU."""
     Bz, H_q, T, D = q.shape
@@ -490,7 +490,7 @@ def _append_kernel(
         tl.store(RC + r * L_C + slot + j * 0, c_new + j * 0.0, mask=j == 0)
 
 
-def append_subblocks(ring_k, ring_c, K_sub, c_sub, k, c, pos, cfg):
+def append_subblocks(ring_k, ring_c, K_sub, c_sub, k, c, *, pos, cfg):
     """pooling.append_subblocks as one launch, one program per row."""
     Bz, H_kv, l_c, d = ring_k.shape
     has_c = c is not None

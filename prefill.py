@@ -16,20 +16,22 @@ import eviction
 import pooling
 
 
-def prefill(model, idx, cache, seq, chunk=None, progress=None, stream_on_host=False):
+def prefill(model, idx, cache, seq, chunk=None, *, progress=None, stream_on_host=False):
     """A prompt idx (1, T) into sequence `seq` of the cache -> the logits of its last position (vocab,).
 
     chunk: tokens a chunk (default: all). The last layer computes only the keys of the chunks
     before the one that holds the last position: its output there would feed nothing.
     stream_on_host: keep the residual stream in pinned host memory, a chunk at a time on the GPU
     (for a budget where it does not fit beside the cache). progress(fraction) after each layer."""
-    for logits in prefill_passes(model, idx, cache, seq, chunk, progress, stream_on_host):
+    for logits in prefill_passes(
+        model, idx, cache, seq, chunk, progress=progress, stream_on_host=stream_on_host
+    ):
         pass
     return logits
 
 
 @torch.no_grad()  # (around each step of the generator)
-def prefill_passes(model, idx, cache, seq, chunk=None, progress=None, stream_on_host=False):
+def prefill_passes(model, idx, cache, seq, chunk=None, *, progress=None, stream_on_host=False):
     """prefill a chunk at a time: yields None after each pass (one chunk of tokens through one
     layer; its work launched), then the logits. Between two passes a caller may do other work
     (serve.py decodes a batch)."""

@@ -199,7 +199,7 @@ def run_record(o, cfg, state, world, master, model_tok=None):
     return run
 
 
-def load_data(o, cfg, run, world, master, model_tok=None, init=None):
+def load_data(o, cfg, run, world, master, *, model_tok=None, init=None):
     """The tokenizer and the token streams (made once, cached by the corpus's hash and the
     tokenizer): a new BPE for a new model, the model's own tokenizer for one trained further."""
     data_dir = streams_dir(o.data_dir, run["corpus"], cfg.vocab_size, model_tok)

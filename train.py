@@ -203,7 +203,9 @@ def main(**flags):
     # a fixed thread count also turns off MKL's dynamic threads, which under load sum in another
     # order: without it a run resumed on a busy machine is not bit for bit the run it continues
     torch.set_num_threads(torch.get_num_threads())
-    tok, train_data, val_data = runs.load_data(o, cfg, run, world, master, model_tok, init)
+    tok, train_data, val_data = runs.load_data(
+        o, cfg, run, world, master, model_tok=model_tok, init=init
+    )
     torch.manual_seed(o.seed)
     model = Transformer(cfg).to(device)
     if init:

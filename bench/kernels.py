@@ -115,7 +115,7 @@ def nosa_phases(q, k, v, c, cfg, ms):
         lists = None
         if c is not None:
             lists = eviction.e_lists_by_block(pooling.pool_mean(c, cfg), 0, nb - 1, cfg)[0]
-        return nosa.select_tiles(q, K_sub, lists, pos, nb, cfg, 0)
+        return nosa.select_tiles(q, K_sub, lists, pos, nb, cfg, first=0)
 
     t_select = ms(sel)
     tiles = sel()
@@ -239,7 +239,9 @@ def bench_decode(H_q=32, H_kv=2, d=128):
                 return_mode="median",
             )
             t_res_dec = graph_time(
-                lambda: decode_kernels.sparse_decode(q, kk, vv, bias, mask, pos, cfg.B, cfg.k)
+                lambda: decode_kernels.sparse_decode(
+                    q, kk, vv, bias, mask, pos, B=cfg.B, k_sel=cfg.k
+                )
             )
             t_sdpa = do_bench(
                 lambda: F.scaled_dot_product_attention(q, kk, vv, enable_gqa=True),

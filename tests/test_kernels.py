@@ -105,7 +105,7 @@ def test_sparse_attention_kernel_matches_twin(G, d, T, B, k, BT, dtype):
         if fn is None:
             o = attention_kernels.SparseAttention.apply(q, kk, v, c, sel, q_pos, B)
         else:
-            o = fn(q, kk, v, c, mask, q_pos, B)
+            o = fn(q, kk, v, c, mask, q_pos, B=B)
         o.backward(do)
         outs.append([o.detach(), q.grad, kk.grad, v.grad, c.grad])
     for name, got, want in zip(["o", "dq", "dk", "dv", "dc"], outs[1], outs[0]):
@@ -138,10 +138,10 @@ def test_parallel_selection_in_chunks_of_queries(monkeypatch):
     K_sub, c_sub = pooling.compress_keys(k, cfg), pooling.pool_mean(c, cfg)
     with common.kernels(True):
         lists = eviction.e_lists_by_block(c_sub, 0, nb - 1, cfg)[0]
-        whole = nosa.select_tiles(q, K_sub, lists, q_pos, nb, cfg, 0)
+        whole = nosa.select_tiles(q, K_sub, lists, q_pos, nb, cfg, first=0)
         monkeypatch.setattr(nosa_kernels, "SELECT_ROWS", 32)
         monkeypatch.setattr(nosa_kernels, "SELECT_SCORES", 0)
-        parts = nosa.select_tiles(q, K_sub, lists, q_pos, nb, cfg, 0)
+        parts = nosa.select_tiles(q, K_sub, lists, q_pos, nb, cfg, first=0)
     for a, b in zip(whole[:3], parts[:3]):
         assert torch.equal(a, b)
     with common.kernels(False):
@@ -173,14 +173,14 @@ def test_sparse_attention_kernel_ragged_decode_positions():
     c = torch.randn(Bz, H_kv, S, device=DEV)
     q_pos = torch.tensor([[5], [47], [89]], device=DEV)
     mask = random_block_mask(Bz, H_kv, 1, B, k, q_pos)
-    want = attention.sparse_attention(q, kk, v, None, mask, q_pos, B)
+    want = attention.sparse_attention(q, kk, v, None, mask, q_pos, B=B)
     got = attention_kernels.SparseAttention.apply(q, kk, v, None, tiles(mask, 1, k), q_pos, B)
     assert rel_err(got, want) < FP32_TOL
     for bias in (None, c):
-        want = attention.sparse_attention(q, kk, v, bias, mask, q_pos, B)
+        want = attention.sparse_attention(q, kk, v, bias, mask, q_pos, B=B)
         for n_split in (1, 2, 5):
             got = decode_kernels.sparse_decode(
-                q, kk, v, bias, mask, q_pos[:, 0], B, k, n_split=n_split
+                q, kk, v, bias, mask, q_pos[:, 0], B=B, k_sel=k, n_split=n_split
             )
             assert rel_err(got, want) < FP32_TOL, (bias is None, n_split)
 
@@ -361,7 +361,7 @@ def test_append_kernel_matches_twin(attn, dtype):
         for s, twin in zip(caches, (True, False)):
             with common.kernels(not twin):
                 append = pooling.append_subblocks if twin else pooling_kernels.append_subblocks
-                append(s.ring_k[0], s.ring_c[0], s.K_sub[0], s.c_sub[0], k, c, pos, cfg)
+                append(s.ring_k[0], s.ring_c[0], s.K_sub[0], s.c_sub[0], k, c, pos=pos, cfg=cfg)
                 if cfg.eviction_head:
                     join = (
                         eviction.e_list_join_leaver if twin else eviction_kernels.e_list_join_leaver

@@ -105,7 +105,7 @@ def test_sparse_attention_matches_explicit_loop():
     bias = torch.randn(Bz, cfg.H_kv, T, dtype=torch.float64)
     mask = torch.rand(Bz, cfg.H_kv, T, 5) < 0.5
     mask[..., torch.arange(T), torch.arange(T) // cfg.B] = True  # own block
-    o = attention.sparse_attention(q, k, v, bias, mask, torch.arange(T)[None], cfg.B)
+    o = attention.sparse_attention(q, k, v, bias, mask, torch.arange(T)[None], B=cfg.B)
     G = cfg.G
     for h in range(cfg.H_q):
         hk = h // G
@@ -133,7 +133,7 @@ def test_gradcheck_attention_and_eviction_head():
         torch.randn(1, 2, T),
     ]
     args = [a.double().requires_grad_() for a in args]
-    f = lambda q, k, v, c: attention.sparse_attention(q, k, v, c, mask, pos, cfg.B)
+    f = lambda q, k, v, c: attention.sparse_attention(q, k, v, c, mask, pos, B=cfg.B)
     assert torch.autograd.gradcheck(f, args)
     v = torch.randn(1, 2, T, 4, dtype=torch.float64, requires_grad=True)
     A = torch.randn(2, dtype=torch.float64, requires_grad=True)

@@ -227,8 +227,8 @@ def test_cuda_kernels_match_twins():
     dev_tables = [t.cuda() for t in tables]
     pos = torch.tensor([2 * 16 - 1, 5, 7 * 16 - 1])  # sequences 0 and 2 full (B = 16)
     dev_host = host.clone().pin_memory()
-    offload.flush_tails(host, pool, *tables, pos, 2, 16)
-    offload.flush_tails(dev_host, dev_pool, *dev_tables, pos.cuda(), 2, 16)
+    offload.flush_tails(host, pool, *tables, pos, H_kv=2, B=16)
+    offload.flush_tails(dev_host, dev_pool, *dev_tables, pos.cuda(), H_kv=2, B=16)
     torch.cuda.synchronize()
     assert torch.equal(pool, dev_pool.cpu()) and torch.equal(host, dev_host)
     assert all(torch.equal(a, b.cpu()) for a, b in zip(tables, dev_tables))
@@ -404,9 +404,9 @@ def test_triton_transfer_kernels_match_twins():
     ]
     with common.kernels(False):
         offload.gather_units(a[0], a[1], fetch)
-        offload.flush_tails(*a, pos, H_kv, B)
+        offload.flush_tails(*a, pos, H_kv=H_kv, B=B)
     offload_kernels.gather_units_triton(b[0], b[1], fetch)
-    offload_kernels.flush_tails_triton(*b, pos, H_kv, B)
+    offload_kernels.flush_tails_triton(*b, pos, H_kv=H_kv, B=B)
     if DEV == "cuda":
         torch.cuda.synchronize()
     for x, y in zip(a, b):

@@ -292,8 +292,8 @@ def test_select_tiles_kernel_equals_twin(cfg, data, attn):
         first,
         q_pos.to(dev),
         cfg,
-        BT,
-        U,
+        BT=BT,
+        U=U,
     )
     for w, x in zip(want, got):
         assert torch.equal(x.cpu(), w)
@@ -309,13 +309,13 @@ def tiles_twin(Q, lists, first, q_pos, cfg, BT, U):
     return tiles.idx, tiles.bits, tiles.n
 
 
-def tiles_with_groups(groups, per_pick, *args):
-    """nosa_kernels.select_tiles(*args) with the kernel's groups of blocks and room for keys set
+def tiles_with_groups(groups, per_pick, *args, BT, U):
+    """nosa_kernels.select_tiles(*args, BT=BT, U=U) with the kernel's groups of blocks and room for keys set
     (nosa_kernels._kth_best)."""
     saved = nosa_kernels.GROUPS, nosa_kernels.CAP_PER_PICK
     nosa_kernels.GROUPS, nosa_kernels.CAP_PER_PICK = groups, per_pick
     try:
-        return nosa_kernels.select_tiles(*args)
+        return nosa_kernels.select_tiles(*args, BT=BT, U=U)
     finally:
         nosa_kernels.GROUPS, nosa_kernels.CAP_PER_PICK = saved
 
@@ -353,7 +353,9 @@ def test_select_tiles_kernel_keeps_the_best_through_its_groups(tied):
     assert (n[::2] > cap).all() and (n[1::2] <= cap).all(), n.tolist()
     Q, U = Q[None, None], min(nb, T * cfg.k)
     want = tiles_twin(Q, None, start // cfg.B, q_pos, cfg, T, U)
-    got = tiles_with_groups(groups, 4, Q.to(dev), None, start // cfg.B, q_pos.to(dev), cfg, T, U)
+    got = tiles_with_groups(
+        groups, 4, Q.to(dev), None, start // cfg.B, q_pos.to(dev), cfg, BT=T, U=U
+    )
     for w, x in zip(want, got):
         assert torch.equal(x.cpu(), w)
 

@@ -151,7 +151,9 @@ def test_generate_serves_a_file_of_requests(tmp_path, capsys):
     ]
     assert got == alone and [len(g) for g in got] == [12, 20, 5]
     printed = capsys.readouterr().out
-    assert printed.count("first token after") == 3 and "served: 3 requests over 2 sequences" in printed
+    assert (
+        printed.count("first token after") == 3 and "served: 3 requests over 2 sequences" in printed
+    )
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(r["request"] for r in rows) == [0, 1, 2]
     assert all(r["new_tokens"] == len(got[r["request"]]) and r["ttft_s"] > 0 for r in rows)
