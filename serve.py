@@ -119,9 +119,11 @@ class Budget:
     within `stall` times a step alone, from a model measured as serving goes: a turn of the loop
     (it syncs once) takes the step alone plus what its passes add, so each turn updates the time a
     pass adds (`per`, averaged) and the next turn takes floor((stall - 1) * alone / per) passes,
-    at least one and at most twice as many as the turn before. A step alone is timed first and
-    every RETIME turns after (no pass beside it), so that prompts arriving one after another
-    cannot hold the budget at its start. Where even one pass stalls a step beyond the stall for
+    at least one and at most twice as many as the turn before. A step alone is timed first, every
+    RETIME turns after (no pass beside it), so that prompts arriving one after another cannot hold
+    the budget at its start, and whenever the number of decoding sequences has changed since: a
+    step's time grows with them, and a step alone of fewer would make a pass look dearer than it
+    is, and the speed kept beside the prefill look lower. Where even one pass stalls a step beyond the stall for
     most of a prompt, the next prompt's chunk is half as long (the planned chunk, halved, not below
     `least` tokens); where four fit, twice as long again. With no sequence decoding, nothing waits: a
     chunk through the whole model per turn."""
@@ -130,7 +132,8 @@ class Budget:
         self.n_layer, self.tokens, self.stall, self.least = n_layer, tokens, stall, least
         self.n, self.alone, self.per, self.beside, self.waited = 1, None, None, [], []
         self.halved, self.c, self.over, self.prompt_tokens = 0, None, [], []
-        self.since_alone = 0  # turns since a step ran alone
+        self.since_alone, self.live = 0, None  # turns since a step ran alone, and of how many
+        self.alone_at, self.predicted = [], []  # per turn beside: the step alone, the model's time
 
     RETIME = 200  # a step alone at least every RETIME turns: its time grows with the context
 
@@ -146,20 +149,26 @@ class Budget:
     def passes(self, pre, running):
         if not running:
             return self.n_layer
-        if self.alone is None or self.since_alone >= self.RETIME:
+        changed = self.live is not None and len(running) != self.live
+        if self.alone is None or self.since_alone >= self.RETIME or changed:
             return 0  # the next step runs alone, and is timed (prompts may queue without end)
         if self.tokens is not None:
             return max(1, self.tokens * self.n_layer // pre.chunk)
         return self.n
 
-    def turn(self, dt, n):
-        """A turn of dt seconds whose step waited for n passes (0: a step alone)."""
+    def turn(self, dt, n, live=None):
+        """A turn of dt seconds whose step of `live` sequences (None: as before) waited for n
+        passes (0: a step alone)."""
         if not n:
-            self.alone = dt if self.alone is None else 0.9 * self.alone + 0.1 * dt
-            self.since_alone = 0
+            same = self.alone is not None and live in (None, self.live)
+            self.alone = 0.9 * self.alone + 0.1 * dt if same else dt
+            self.since_alone, self.live = 0, self.live if live is None else live
             return
         self.since_alone += 1
+        if self.per is not None and self.alone is not None:  # what the model expected of it
+            self.predicted.append(self.alone + n * self.per)
         self.beside.append(dt)
+        self.alone_at.append(self.alone)
         self.waited.append(n)
         self.prompt_tokens.append(n * (self.c or 0) / self.n_layer)
         if self.tokens is None and self.alone is not None:
@@ -182,22 +191,33 @@ class Budget:
         self.over = []
 
     def kept(self):
-        """(step alone, step beside the prefill) in seconds, averaged, or None before both ran."""
+        """(step alone, step beside the prefill) in seconds, averaged over the turns beside it
+        (each against the step alone of its time), or None before both ran."""
         if not self.beside or self.alone is None:
             return None
-        return self.alone, sum(self.beside) / len(self.beside)
+        alone = [a if a is not None else self.alone for a in self.alone_at]
+        return sum(alone) / len(alone), sum(self.beside) / len(self.beside)
+
+    def off_prediction(self):
+        """The steps beside the prefill against the time the budget's model predicted for them (1:
+        as predicted), over the turns it predicted; None before any."""
+        if not self.predicted:
+            return None
+        return sum(self.beside[-len(self.predicted) :]) / sum(self.predicted)
 
     def summary(self):
         """One line: the passes a step waited for, and a step beside the prefill against alone."""
         if self.kept() is None:
             return "prefill beside the steps: none timed"
-        n, dt = sum(self.waited) / len(self.waited), self.kept()[1]
+        n, (alone, dt) = sum(self.waited) / len(self.waited), self.kept()
         tokens = sum(self.prompt_tokens) / len(self.prompt_tokens)
         how = f"{self.tokens} tokens" if self.tokens is not None else f"a stall of {self.stall}x"
+        off = self.off_prediction()
+        model = f"; {off:.2f}x the time the budget predicted" if off else ""
         return (
             f"prefill beside the steps ({how}): {n:.1f} layer passes a step (about "
             f"{tokens:.0f} prompt tokens; last chunk {self.c}), a step {1e3 * dt:.1f} ms against "
-            f"{1e3 * self.alone:.1f} ms alone (speed kept: {self.alone / dt:.2f})"
+            f"{1e3 * alone:.1f} ms alone (speed kept: {alone / dt:.2f}{model})"
         )
 
 
@@ -261,7 +281,7 @@ def serve(model, requests, cache, pick, *, eos_ids=(), chunk=None, on_host=False
             if running:  # 4. the step's tokens
                 tok, new = nxt, nxt.tolist()
                 t = time.perf_counter() - t0  # the step waited for passes (a CPU's ran after it)
-                budget.turn(t0 + t - t_turn, launched if cuda else n)
+                budget.turn(t0 + t - t_turn, launched if cuda else n, live=len(running))
                 for seq, req in list(running.items()):
                     req.out.append(new[seq])
                     req.t_tokens.append(t)

@@ -152,6 +152,8 @@ def served_at_rate(serve_, reqs, n_layer, max_stall):
     alone, beside = step_budget.kept() or (float("nan"),) * 2
     row.update(step_alone_ms=round(1e3 * alone, 2), step_beside_ms=round(1e3 * beside, 2))
     row["speed_kept"] = round(alone / beside, 3)
+    off = step_budget.off_prediction()
+    row["beside_over_predicted"] = round(off, 3) if off else None
     row["total_s"] = seconds(total)
     row["gpu_peak_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None
     row["host_peak_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1)

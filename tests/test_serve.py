@@ -377,3 +377,25 @@ def test_arriving_workload_and_its_bench_small():
         assert r["ttft_median_s"] <= r["ttft_p90_s"] <= r["ttft_p99_s"] <= r["ttft_max_s"]
         assert r["tbt_median_s"] <= r["tbt_p90_s"] <= r["tbt_p99_s"] <= r["tbt_max_s"]
     assert {c["system"] for c in tables["capacity"]} == {"nosa + offload", "full, resident cache"}
+
+
+def test_the_stall_budget_times_a_step_alone_of_as_many_sequences_as_decode():
+    """A step's time grows with the sequences decoding: where their number changes (a request
+    admitted or ended), the next step runs alone and is timed, and the speed kept compares each
+    step beside the prefill with the step alone of its time (not one of fewer sequences, which
+    made the prefill look dearer); the budget reports its steps against its model's prediction."""
+    b = serve.Budget(n_layer=32, stall=2.0)
+    alone = lambda live: 0.002 * live  # 2 ms a sequence
+    running, kept = {0: None}, []
+    for turn in range(400):
+        if turn == 120:  # (before RETIME turns have passed)
+            running = {i: None for i in range(4)}  # three more sequences decode from here on
+        n = b.passes(None, running)
+        b.turn(alone(len(running)) + 0.001 * n, n, live=len(running))  # 1 ms a pass
+        kept.append(n)
+    assert kept[0] == 0 and kept[120] == 0 and kept[121] > 0  # timed alone again at the change
+    assert b.alone == pytest.approx(0.008) and b.live == 4
+    a, beside = b.kept()
+    assert a / beside >= 0.5  # each against its own step alone: within the stall
+    assert b.off_prediction() == pytest.approx(1.0, abs=0.05)  # the model predicted these steps
+    assert "the time the budget predicted" in b.summary()
