@@ -81,23 +81,33 @@ def slot_attention(q, pool, slot_block, bias, pos, cfg):
     per token or None; pos (Bz,). Every resident block is selected (offload.set_difference freed
     the rest), so the keys are the k slots and the tail up to pos.
     Kernel: decode_kernels.slot_attention."""
-    B = cfg.B
     if use_kernels(q, cfg):
-        return decode_kernels.slot_attention(q, pool, slot_block, bias, pos, B)
+        return decode_kernels.slot_attention(q, pool, slot_block, bias, pos, cfg.B)
     Bz, H_q, _, d = q.shape
-    R, k1 = pool.shape[:2]
-    H = R // Bz
-    blk = torch.cat([slot_block, (pos // B).repeat_interleave(H)[:, None]], 1).view(Bz, H, k1)
-    tok = blk[..., None] * B + torch.arange(B, device=q.device)  # (Bz, H, k+1, B) positions
-    valid = ((blk[..., None] >= 0) & (tok <= pos[:, None, None, None])).view(Bz, H, -1)
-    kv = pool.view(Bz, H, k1, 2, B, d)
-    keys, vals = kv[:, :, :, 0].reshape(Bz, H, -1, d), kv[:, :, :, 1].reshape(Bz, H, -1, d)
+    keys, vals, tok = pool_tokens(pool, slot_block, pos, cfg.B)
+    H = keys.shape[1]
+    valid = (tok >= 0) & (tok <= pos[:, None, None])
     logit_add = torch.zeros((), device=q.device, dtype=fp32(q).dtype)
     if bias is not None:  # (Bz, H, (k+1) B)
-        logit_add = fp32(bias).gather(2, tok.clamp(0, bias.shape[2] - 1).view(Bz, H, -1))
+        logit_add = fp32(bias).gather(2, tok.clamp(0, bias.shape[2] - 1))
     logit_add = torch.where(valid, logit_add, float("-inf"))[:, :, None]  # (Bz, H, 1, (k+1) B)
     o = attend(q.view(Bz, H, H_q // H, 1, d), keys, vals, logit_add)  # (Bz, H, G, 1, d)
     return o.reshape(Bz, H_q, 1, d).to(q.dtype)
+
+
+def pool_tokens(pool, slot_block, pos, B):
+    """The slot pool read as tokens, as the decode kernel reads it: pool (R, k+1, 2, B, d), slot k
+    the tail (the block of pos), slot_block (R, k) the block in each slot (-1 free), pos (Bz,) ->
+    keys, values (Bz, H_kv, (k+1) B, d) and their positions (Bz, H_kv, (k+1) B), -1 where the slot
+    is free."""
+    R, k1, _, _, d = pool.shape
+    Bz = pos.shape[0]
+    H = R // Bz
+    blk = torch.cat([slot_block, (pos // B).repeat_interleave(H)[:, None]], 1).view(Bz, H, k1)
+    tok = blk[..., None] * B + torch.arange(B, device=pool.device)  # (Bz, H, k+1, B)
+    tok = torch.where(blk[..., None] >= 0, tok, -1).view(Bz, H, -1)
+    kv = pool.view(Bz, H, k1, 2, B, d)
+    return kv[:, :, :, 0].reshape(Bz, H, -1, d), kv[:, :, :, 1].reshape(Bz, H, -1, d), tok
 
 
 def dense_decode(q, k, v, pos, cfg):

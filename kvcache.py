@@ -19,14 +19,16 @@ import torch
 
 
 class Blocks(NamedTuple):
-    """What a decode step attends over, as a cache hands it back (Cache.blocks): the cached keys
-    and values k, v (Bz, H_kv, S, d), or, where offloaded, the GPU slot pool in k (R, k + 1, 2, B,
-    d: K then V of each slot's block, the tail last) with its table slot -> block in slots (R, k);
-    c (Bz, H_kv, S) the eviction scores where the mode has them."""
+    """The blocks a decode step attends over, as a cache hands them back (Cache.blocks), in one of
+    two forms: a resident cache's keys and values k, v (Bz, H_kv, S, d), which attention masks by
+    Γ(t); or an offloaded cache's slot pool (R, k + 1, 2, B, d: K then V of each slot's block, the
+    tail last), every slot selected, with its table slot -> block in slots (R, k). c (Bz, H_kv, S):
+    the eviction scores where the mode has them."""
 
-    k: torch.Tensor
+    k: torch.Tensor = None
     v: torch.Tensor = None
     c: torch.Tensor = None
+    pool: torch.Tensor = None
     slots: torch.Tensor = None
 
 
@@ -244,7 +246,7 @@ class KVCache(Cache):
         """Everything is resident: the cached tokens, which attention masks by Γ(t)."""
         S = self.S()
         c = self.c[layer][:, :, :S] if self.cfg.eviction_head else None
-        return Blocks(self.k[layer][:, :, :S], self.v[layer][:, :, :S], c)
+        return Blocks(k=self.k[layer][:, :, :S], v=self.v[layer][:, :, :S], c=c)
 
     def flush(self, layer):  # nothing to move: the tail is where every block is
         pass

@@ -213,8 +213,8 @@ def nosa_decode(q, k, v, c, cfg, *, layer, cache):
     # 5. attention over them, with the bias
     with record_function("attention"):
         bias = None if kv.c is None else eviction.attention_bias(kv.c, cfg.attn)
-        if kv.slots is not None:  # the slot pool
-            o = attention.slot_attention(q, kv.k, kv.slots, bias, pos, cfg)
+        if kv.pool is not None:  # the slot pool
+            o = attention.slot_attention(q, kv.pool, kv.slots, bias, pos, cfg)
         elif cfg.sparse:
             o = attention.sparse_decode(q, kv.k, kv.v, bias, block_mask, pos, cfg=cfg)
         else:
@@ -240,24 +240,19 @@ def window_keys(kv, bias, pos, cfg):
     of each row's query (sinks, window, own block) of the cached keys, or the whole slot pool (the
     forced blocks are always resident). kv: the step's Blocks; bias (Bz, H_kv, S) or None; pos (Bz,)
     -> keys (Bz, H_kv, m, d), their positions (Bz, 1 or H_kv, m) (-1: none) and bias (Bz, H_kv, m)."""
-    B = cfg.B
-    Bz, dev = pos.shape[0], pos.device
-    tok = torch.arange(B, device=dev)
-    if kv.slots is None:  # the cached keys (Bz, H_kv, S, d)
+    B, dev = cfg.B, pos.device
+    if kv.pool is None:  # the cached keys (Bz, H_kv, S, d)
         col = torch.arange(cfg.n_sink + cfg.n_win + 1, device=dev)
         kb = torch.where(col < cfg.n_sink, col, (pos // B)[:, None] - cfg.n_win - cfg.n_sink + col)
         kb = torch.where((kb >= 0) & ((col < cfg.n_sink) | (kb >= cfg.n_sink)), kb, -1)
-        key_pos = (kb[..., None] * B + tok).flatten(1)  # (Bz, m)
+        key_pos = (kb[..., None] * B + torch.arange(B, device=dev)).flatten(1)  # (Bz, m)
         S = kv.k.shape[2]
         key_pos = torch.where((kb.repeat_interleave(B, 1) >= 0) & (key_pos < S), key_pos, -1)
         at = key_pos.clamp(min=0)[:, None].expand(-1, cfg.H_kv, -1)  # (Bz, H_kv, m)
         keys = kv.k.gather(2, at[..., None].expand(-1, -1, -1, kv.k.shape[-1]))
         key_pos = key_pos[:, None]
-    else:  # the slot pool (R, k + 1, 2, B, d), slot k the tail (the own block)
-        blk = torch.cat([kv.slots, (pos // B).repeat_interleave(cfg.H_kv)[:, None]], 1)
-        key_pos = torch.where(blk[..., None] >= 0, blk[..., None] * B + tok, -1)
-        key_pos = key_pos.view(Bz, cfg.H_kv, -1)  # (Bz, H_kv, (k + 1) B)
-        keys = kv.k[:, :, 0].reshape(Bz, cfg.H_kv, -1, kv.k.shape[-1])
+    else:  # the slot pool, slot k the tail (the own block): (Bz, H_kv, (k + 1) B)
+        keys, _, key_pos = attention.pool_tokens(kv.pool, kv.slots, pos, B)
         at = key_pos.clamp(min=0)
     key_bias = None if bias is None else bias.gather(2, at.clamp(max=bias.shape[2] - 1))
     return keys, key_pos, key_bias

@@ -437,7 +437,7 @@ class OffloadCache(Cache):
             with torch.cuda.stream(self.pcie):
                 gather_units(host, pool, fetch)
             here.wait_stream(self.pcie)
-        return Blocks(pool, c=self.c[layer] if cfg.eviction_head else None, slots=slot_block)
+        return Blocks(c=self.c[layer] if cfg.eviction_head else None, pool=pool, slots=slot_block)
 
     def flush(self, layer):
         """After the attention: a row whose tail block is now full writes it to the host store."""
