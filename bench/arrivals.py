@@ -81,16 +81,16 @@ def bench_arrivals(
     P_max = max(p for p, _ in lengths) if lengths else prompt_lens[1]
     max_len = P_max + (max(g for _, g in lengths) if lengths else max_new_tokens[1])
     rows, capacity = [], []
+    gpu, host = budgets(gpu_budget, host_budget)
     for name in systems:
         model, (label, use_offload, Bz, chunk, on_host) = system(
-            name, shape, max_len, requests, P_max, budgets(gpu_budget, host_budget), served=True
+            name, shape, max_len, requests, P_max, (gpu, host), served=True
         )
         if Bz == 0:
             rows.append(dict(system=label, rate=None, batch=0))
             continue
         cfg, w = model.cfg, model.embed_tokens.weight
         dev, dtype = w.device, w.dtype
-        host = budgets(1, host_budget)[1]
         cache = offload.make_cache(
             cfg, Bz, dev, dtype, max_len, offload=use_offload, host_budget=host
         )

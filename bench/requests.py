@@ -106,9 +106,10 @@ def bench_requests(
     docstring): per system and G, time to first token, the whole time and output tokens/s."""
     bench.check_decode_run(shape, gpu_budget)
     max_len, rows = prompt_len + max(max_new_tokens), []
+    gpu, host = budgets(gpu_budget, host_budget)
     for name in systems:
         model, (label, use_offload, Bz, chunk, on_host) = system(
-            name, shape, max_len, requests, prompt_len, budgets(gpu_budget, host_budget)
+            name, shape, max_len, requests, prompt_len, (gpu, host)
         )
         cfg, dtype = model.cfg, model.embed_tokens.weight.dtype
         row = dict(system=label, shape=shape, prompt_len=prompt_len, batch=Bz, chunk=chunk)
@@ -131,7 +132,7 @@ def bench_requests(
                     prompt_len=prompt_len,
                     max_len=max_len,
                     steps=steps,
-                    host_budget=host_budget,
+                    host=host,
                 )
             )
         times = row.pop("_t", None)
@@ -149,7 +150,7 @@ def bench_requests(
     return vs_full(rows, max_new_tokens)
 
 
-def static_parts(model, row, *, use_offload, requests, prompt_len, max_len, steps, host_budget):
+def static_parts(model, row, *, use_offload, requests, prompt_len, max_len, steps, host):
     """The timed parts of the static schedule: one P-token prefill at the plan's chunk (after an
     untimed one, which compiles every kernel the timed one launches: the selection kernel once per
     power of two of the block count, which grows with the prompt), with the batch's decode cache
@@ -160,7 +161,6 @@ def static_parts(model, row, *, use_offload, requests, prompt_len, max_len, step
     cfg, w, Bz = model.cfg, model.embed_tokens.weight, row["batch"]
     dev, dtype, cuda = w.device, w.dtype, w.is_cuda
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    host = budgets(1, host_budget)[1]
     new_cache = lambda n: offload.make_cache(
         cfg, n, dev, dtype, max_len, offload=use_offload, host_budget=host
     )
@@ -244,15 +244,10 @@ def bench_served(
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     max_len, rows = prompt_len + max(max_new_tokens), []
+    gpu, host = budgets(gpu_budget, host_budget)
     for name in systems:
         model, (label, use_offload, Bz, chunk, on_host) = system(
-            name,
-            shape,
-            max_len,
-            requests,
-            prompt_len,
-            budgets(gpu_budget, host_budget),
-            served=True,
+            name, shape, max_len, requests, prompt_len, (gpu, host), served=True
         )
         cfg, w = model.cfg, model.embed_tokens.weight
         dev, dtype = w.device, w.dtype
@@ -263,13 +258,7 @@ def bench_served(
             continue
         micro = 2 if use_offload and Bz >= 16 else 1
         cache = offload.make_cache(
-            cfg,
-            Bz,
-            dev,
-            dtype,
-            max_len,
-            offload=use_offload,
-            host_budget=budgets(1, host_budget)[1],
+            cfg, Bz, dev, dtype, max_len, offload=use_offload, host_budget=host
         )
         prompt = lambda: torch.randint(0, cfg.vocab_size, (prompt_len,)).tolist()
         for i, G in enumerate((8,) + tuple(max_new_tokens)):  # 0: compiles what the others launch
