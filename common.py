@@ -181,3 +181,12 @@ def end_processes():
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def grow(t, n, dim):
+    """Return t with at least n entries along `dim`, doubling: no buffer is sized once up front."""
+    if t.shape[dim] >= n:
+        return t
+    shape = list(t.shape)
+    shape[dim] = max(n, 2 * t.shape[dim]) - t.shape[dim]
+    return torch.cat([t, t.new_zeros(shape)], dim)

@@ -1,21 +1,23 @@
 """
 KV caches for step-by-step decoding, as stores: a decode step (nosa.nosa_decode) writes the new
 token into them and asks them for the blocks it selected, and they run no part of the method. The
-contract (Cache), the pooled state selection reads (SubBlockCache), and the cache kept whole on the
-GPU (KVCache).
+contract (Cache) and the cache kept whole on the GPU (KVCache); the pooled state selection reads
+(nosa.PooledState) lives beside the method that updates it, and the caches hold it.
 
 Notation: Bz sequences, H_kv KV heads of dim d, S cached positions, c eviction scores (eviction.py),
 K̃ / c̃ the pooled caches scoring reads (pooling.py): M = complete sub-blocks.
 
 KVCache keeps everything on the device; offload.OffloadCache keeps the blocks in host memory and
 only the selected ones on the GPU (NOSI). Both keep the lengths (Cache) and the pooled state
-(SubBlockCache).
+(nosa.PooledState).
 """
 
-import copy
 from typing import NamedTuple
 
 import torch
+
+import nosa
+from common import grow
 
 
 class Blocks(NamedTuple):
@@ -39,9 +41,8 @@ def write_now(t, index, value):
 
 class Cache:
     """The contract of a decode cache, a store. Per layer, what nosa.nosa_decode calls, in this order:
-      write(layer, k, v, c)       the new token of every sequence at its position `len`, and room
-                                  for it in the pooled state `sub` (which nosa_decode updates);
-                                  returns nb, how many blocks selection ranges over
+      write(layer, k, v, c)       the new token of every sequence at its position `len`; returns
+                                  nb, how many blocks selection ranges over
       blocks(layer, block_mask)   the selected blocks Γ(t) on the device, to attend over (Blocks)
       flush(layer)                after the attention: a tail block the token filled goes to its place
     and prefill(layer, seq, k, v, c, pooled, put) for a prompt (prefill.py), advance() after a step,
@@ -63,7 +64,7 @@ class Cache:
         self.len_cpu = torch.zeros(Bz, dtype=torch.long)
         self.active = torch.ones(Bz, dtype=torch.bool, device=device)  # sequences that advance
         self.active_cpu = torch.ones(Bz, dtype=torch.bool)
-        self.sub = None  # the pooled state (SubBlockCache) of a sparse mode
+        self.sub = None  # the pooled state (nosa.PooledState) of a sparse mode
 
     # what each cache defines (KVCache below, offload.OffloadCache), as the docstring says
     def write(self, layer, k, v, c):  # -> nb
@@ -106,85 +107,6 @@ class Cache:
         return self.cfg.l_c <= pos + 1 and pos < self.capacity()
 
 
-def grow(t, n, dim):
-    """Return t with at least n entries along `dim`, doubling: no buffer is sized once up front."""
-    if t.shape[dim] >= n:
-        return t
-    shape = list(t.shape)
-    shape[dim] = max(n, 2 * t.shape[dim]) - t.shape[dim]
-    return torch.cat([t, t.new_zeros(shape)], dim)
-
-
-class SubBlockCache:
-    """Per layer, the pooled state selection reads: K̃ (Bz, H_kv, M, d) and c̃ (Bz, H_kv, M), the
-    rings of the last l_c keys and scores they are pooled from, and each row's E-list (nosa.py's
-    legend: e_list_ids, e_list_E), all a decode step needs of E; in nosa-hh also h (Bz, H_kv, nb),
-    what each block got of the attention of its window's queries (eviction.py), the E-list's source
-    there. Stored here only: nosa.update_pooled changes it a token at a time, and a prompt's is
-    written whole (prefill). Both caches use it."""
-
-    # one tensor per layer, indexed by sequence first
-    BUFFERS = ("ring_k", "ring_c", "K_sub", "c_sub", "e_list_ids", "e_list_E", "h")
-
-    def __init__(self, cfg, Bz, device, dtype, max_len=0):
-        self.cfg = cfg
-        L, H, d, l_c, n = cfg.n_layer, cfg.H_kv, cfg.head_dim, cfg.l_c, cfg.n_e_list
-        M = cfg.n_subblocks(max_len)  # preallocated for max_len tokens; grows past it
-        self.ring_k = [torch.zeros(Bz, H, l_c, d, device=device, dtype=dtype) for _ in range(L)]
-        cdt = torch.promote_types(dtype, torch.float32)  # c and its pools stay in fp32 (or fp64)
-        self.ring_c = [torch.zeros(Bz, H, l_c, device=device, dtype=cdt) for _ in range(L)]
-        self.K_sub = [torch.zeros(Bz, H, M, d, device=device, dtype=dtype) for _ in range(L)]
-        self.c_sub = [torch.zeros(Bz, H, M, device=device, dtype=cdt) for _ in range(L)]
-        new = lambda fill, dt: [
-            torch.full((Bz, H, n), fill, dtype=dt, device=device) for _ in range(L)
-        ]
-        self.e_list_ids = new(-1, torch.long) if n else None
-        self.e_list_E = new(float("-inf"), cdt) if n else None
-        nb = cfg.n_blocks(max_len)
-        self.h = None
-        if cfg.heavy_hitters:
-            self.h = [torch.zeros(Bz, H, nb, device=device, dtype=cdt) for _ in range(L)]
-
-    def seqs(self, a, b):
-        """The caches of sequences a..b-1 (views; see offload.OffloadCache.split)."""
-        part = copy.copy(self)
-        for name in self.BUFFERS:
-            if getattr(self, name) is not None:
-                setattr(part, name, [t[a:b] for t in getattr(self, name)])
-        return part
-
-    def reserve(self, layer, T):
-        """Room for the sub-blocks of T tokens in K̃ and c̃ (and its blocks in h)."""
-        M = self.cfg.n_subblocks(T)
-        self.K_sub[layer] = grow(self.K_sub[layer], M, 2)
-        self.c_sub[layer] = grow(self.c_sub[layer], M, 2)
-        if self.h:
-            self.h[layer] = grow(self.h[layer], self.cfg.n_blocks(T), 2)
-
-    def prefill(self, layer, seq, k, c, pooled, put):
-        """k (H_kv, T, d), c (H_kv, T) or None: one whole sequence, and pooled its (K̃, c̃, E-list
-        (ids, scores), h) (prefill.PromptLayer.pooled, or nosa.pooled_prompt). put: how the rings and
-        the list are written (Cache)."""
-        cfg, T = self.cfg, k.shape[1]
-        K_sub, c_sub, e_list, h = pooled  # (H_kv, M, d), (H_kv, M), (H_kv, n) twice, (H_kv, nb)
-        M = K_sub.shape[1]
-        self.reserve(layer, T)
-        self.K_sub[layer][seq, :, :M] = K_sub
-        tail = torch.arange(max(T - cfg.l_c, 0), T, device=k.device)
-        ring = (seq, slice(None), tail % cfg.l_c)
-        put(self.ring_k[layer], ring, k[:, tail])
-        if c is not None:
-            self.c_sub[layer][seq, :, :M] = c_sub
-            put(self.ring_c[layer], ring, c[:, tail])
-        if self.h:  # the sequence's whole h: what a sequence before left beyond the prompt goes
-            self.h[layer][seq] = 0
-            self.h[layer][seq, :, : h.shape[1]] = h
-        # the E-list as of the last prompt token: the next step adds what leaves the window
-        if self.e_list_ids:
-            put(self.e_list_ids[layer], seq, e_list[0])
-            put(self.e_list_E[layer], seq, e_list[1])
-
-
 class KVCache(Cache):
     """The whole cache on one device: K, V (Bz, H_kv, S, d) per layer, and what the mode needs besides:
     eviction scores c (Bz, H_kv, S) for nosa and dma, the pooled caches for the sparse modes, none of
@@ -203,7 +125,7 @@ class KVCache(Cache):
             torch.zeros(Bz, H, S if cfg.eviction_head else 0, device=device, dtype=cdt)
             for _ in range(L)
         ]
-        self.sub = SubBlockCache(cfg, Bz, device, dtype, S) if cfg.sparse else None
+        self.sub = nosa.PooledState(cfg, Bz, device, dtype, S) if cfg.sparse else None
 
     def prefill(self, layer, seq, k, v, c, pooled=None, *, put=write_now):
         T = k.shape[1]
@@ -238,8 +160,6 @@ class KVCache(Cache):
         self.k[layer][seqs, :, pos], self.v[layer][seqs, :, pos] = k, v
         if c is not None:
             self.c[layer][seqs, :, pos] = c
-        if self.sub:
-            self.sub.reserve(layer, max_pos + 1)
         return self.cfg.n_blocks(max(self.capacity(), max_pos + 1))  # (S)
 
     def blocks(self, layer, block_mask):

@@ -43,6 +43,8 @@ Attention modes (docs/METHOD.md §7), all from the same code:
   nosa      dual selection, bias c (ED-DMA)
 """
 
+import copy
+
 import torch
 from torch.profiler import record_function
 
@@ -51,7 +53,7 @@ import attention_kernels
 import eviction
 import nosa_kernels
 import pooling
-from common import tile_size, use_kernels
+from common import grow, tile_size, use_kernels
 
 # -----------------------------------------------------------------------------
 # Dual selection
@@ -94,7 +96,7 @@ def select(q, K_sub, e_list_ids, q_pos, nb, cfg):
 
     q (Bz, H_q, T, d) at positions q_pos (Bz, T); K̃ (Bz, H_kv, M, d) compressed keys; nb blocks to
     score; e_list_ids the E-list's ids: one per query (Bz, H_kv, T, n), from e_lists, or one per row
-    (Bz, H_kv, n) kept by the eviction policy (a decode step: kvcache.SubBlockCache); None in a mode
+    (Bz, H_kv, n) kept by the eviction policy (a decode step: PooledState); None in a mode
     without E-picks.
     Returns the block mask (Bz, H_kv, T, nb)."""
     Q = pooling.query_aware_scores(q, K_sub, q_pos, nb, cfg)  # (Bz, H_kv, T, nb)
@@ -189,6 +191,93 @@ def nosa_attention(q, k, v, c, cfg, *, start=0, selects_from=None):
 # Decoding: one token per sequence against a cache (kvcache.py, offload.py), which only stores
 
 
+class PooledState:
+    """Per layer, the pooled state selection reads: K̃ (Bz, H_kv, M, d) and c̃ (Bz, H_kv, M), the
+    rings of the last l_c keys and scores they are pooled from, and each row's E-list (nosa.py's
+    legend: e_list_ids, e_list_E), all a decode step needs of E; in nosa-hh also h (Bz, H_kv, nb),
+    what each block got of the attention of its window's queries (eviction.py), the E-list's source
+    there. The decode step changes it a token at a time (update), a prompt's is written whole
+    (prefill); both caches (kvcache.py, offload.py) hold one and never change it themselves."""
+
+    # one tensor per layer, indexed by sequence first
+    BUFFERS = ("ring_k", "ring_c", "K_sub", "c_sub", "e_list_ids", "e_list_E", "h")
+
+    def __init__(self, cfg, Bz, device, dtype, max_len=0):
+        self.cfg = cfg
+        L, H, d, l_c, n = cfg.n_layer, cfg.H_kv, cfg.head_dim, cfg.l_c, cfg.n_e_list
+        M = cfg.n_subblocks(max_len)  # preallocated for max_len tokens; grows past it
+        self.ring_k = [torch.zeros(Bz, H, l_c, d, device=device, dtype=dtype) for _ in range(L)]
+        cdt = torch.promote_types(dtype, torch.float32)  # c and its pools stay in fp32 (or fp64)
+        self.ring_c = [torch.zeros(Bz, H, l_c, device=device, dtype=cdt) for _ in range(L)]
+        self.K_sub = [torch.zeros(Bz, H, M, d, device=device, dtype=dtype) for _ in range(L)]
+        self.c_sub = [torch.zeros(Bz, H, M, device=device, dtype=cdt) for _ in range(L)]
+        new = lambda fill, dt: [
+            torch.full((Bz, H, n), fill, dtype=dt, device=device) for _ in range(L)
+        ]
+        self.e_list_ids = new(-1, torch.long) if n else None
+        self.e_list_E = new(float("-inf"), cdt) if n else None
+        nb = cfg.n_blocks(max_len)
+        self.h = None
+        if cfg.heavy_hitters:
+            self.h = [torch.zeros(Bz, H, nb, device=device, dtype=cdt) for _ in range(L)]
+
+    def seqs(self, a, b):
+        """The caches of sequences a..b-1 (views; see offload.OffloadCache.split)."""
+        part = copy.copy(self)
+        for name in self.BUFFERS:
+            if getattr(self, name) is not None:
+                setattr(part, name, [t[a:b] for t in getattr(self, name)])
+        return part
+
+    def update(self, layer, k, c, pos, T):
+        """A decode step's update, k (Bz, H_kv, d) and c (Bz, H_kv) or None at positions pos (Bz,),
+        T the host's bound on pos + 1: when a sub-block completes (every s_c tokens, per sequence)
+        its mean joins K̃ and c̃, and when a block leaves the window it joins the E-list by the
+        eviction policy (eviction.e_list_join_leaver)."""
+        cfg = self.cfg
+        self.reserve(layer, T)
+        ring_k, ring_c, K_sub, c_sub = (
+            x[layer] for x in (self.ring_k, self.ring_c, self.K_sub, self.c_sub)
+        )
+        pooling.append_subblocks(ring_k, ring_c, K_sub, c_sub, k, c, pos=pos, cfg=cfg)
+        if self.e_list_ids:  # E from c̃, or in nosa-hh from h
+            scores = self.h[layer] if cfg.heavy_hitters else c_sub
+            eviction.e_list_join_leaver(
+                self.e_list_ids[layer], self.e_list_E[layer], scores, pos, cfg
+            )
+
+    def reserve(self, layer, T):
+        """Room for the sub-blocks of T tokens in K̃ and c̃ (and its blocks in h)."""
+        M = self.cfg.n_subblocks(T)
+        self.K_sub[layer] = grow(self.K_sub[layer], M, 2)
+        self.c_sub[layer] = grow(self.c_sub[layer], M, 2)
+        if self.h:
+            self.h[layer] = grow(self.h[layer], self.cfg.n_blocks(T), 2)
+
+    def prefill(self, layer, seq, k, c, pooled, put):
+        """k (H_kv, T, d), c (H_kv, T) or None: one whole sequence, and pooled its (K̃, c̃, E-list
+        (ids, scores), h) (prefill.PromptLayer.pooled, or nosa.pooled_prompt). put: how the rings and
+        the list are written (Cache)."""
+        cfg, T = self.cfg, k.shape[1]
+        K_sub, c_sub, e_list, h = pooled  # (H_kv, M, d), (H_kv, M), (H_kv, n) twice, (H_kv, nb)
+        M = K_sub.shape[1]
+        self.reserve(layer, T)
+        self.K_sub[layer][seq, :, :M] = K_sub
+        tail = torch.arange(max(T - cfg.l_c, 0), T, device=k.device)
+        ring = (seq, slice(None), tail % cfg.l_c)
+        put(self.ring_k[layer], ring, k[:, tail])
+        if c is not None:
+            self.c_sub[layer][seq, :, :M] = c_sub
+            put(self.ring_c[layer], ring, c[:, tail])
+        if self.h:  # the sequence's whole h: what a sequence before left beyond the prompt goes
+            self.h[layer][seq] = 0
+            self.h[layer][seq, :, : h.shape[1]] = h
+        # the E-list as of the last prompt token: the next step adds what leaves the window
+        if self.e_list_ids:
+            put(self.e_list_ids[layer], seq, e_list[0])
+            put(self.e_list_E[layer], seq, e_list[1])
+
+
 def nosa_decode(q, k, v, c, cfg, *, layer, cache):
     """The decode step of one attention layer, beside the training half (nosa_attention), in
     docs/METHOD.md §6's order: one new token per sequence, each at its own position cache.len.
@@ -202,7 +291,7 @@ def nosa_decode(q, k, v, c, cfg, *, layer, cache):
     if cfg.sparse:
         with record_function("selection"):
             # (1.) K̃, c̃ and the E-list
-            update_pooled(cache.sub, layer, k, c, pos, cfg)
+            cache.sub.update(layer, k, c, pos, T=int(cache.len_cpu.max()) + 1)
             # 2. score and select Γ(t), by the same select as the parallel forward
             ids = cache.sub.e_list_ids[layer] if cache.sub.e_list_ids else None
             block_mask = select(q, cache.sub.K_sub[layer], ids, pos[:, None], nb, cfg)
@@ -258,22 +347,8 @@ def window_keys(kv, bias, pos, cfg):
     return keys, key_pos, key_bias
 
 
-def update_pooled(sub, layer, k, c, pos, cfg):
-    """A decode step's update of the pooled state (kvcache.SubBlockCache), k (Bz, H_kv, d) and
-    c (Bz, H_kv) or None at positions pos (Bz,): when a sub-block completes (every s_c tokens, per
-    sequence) its mean joins K̃ and c̃, and when a block leaves the window it joins the E-list by
-    the eviction policy (eviction.e_list_join_leaver)."""
-    ring_k, ring_c, K_sub, c_sub = (
-        x[layer] for x in (sub.ring_k, sub.ring_c, sub.K_sub, sub.c_sub)
-    )
-    pooling.append_subblocks(ring_k, ring_c, K_sub, c_sub, k, c, pos=pos, cfg=cfg)
-    if sub.e_list_ids:  # E from c̃, or in nosa-hh from h
-        scores = sub.h[layer] if cfg.heavy_hitters else c_sub
-        eviction.e_list_join_leaver(sub.e_list_ids[layer], sub.e_list_E[layer], scores, pos, cfg)
-
-
 def pooled_prompt(k, c, cfg, h=None):
-    """What a decode cache keeps of a whole prompt's keys (kvcache.SubBlockCache.prefill), made at once
+    """What a decode cache keeps of a whole prompt's keys (PooledState.prefill), made at once
     (prefill.PromptLayer makes it a chunk at a time): k (H_kv, T, d), c (H_kv, T) or None, and in
     nosa-hh its h (H_kv, nb) (eviction.heavy_hitters: it needs the queries) -> K̃ (H_kv, M, d), c̃
     (H_kv, M) or None, the E-list as of the last token (ids, scores) (H_kv, n_e_list) or None, and

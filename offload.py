@@ -12,7 +12,7 @@ tail block, the one being written.
   slot_block   (R, k)             slot -> block id, -1 = free
   block_slot   (R, cap)           block -> slot, -1 = not resident
   c            (Bz, H_kv, S)      the eviction score of every token stays on the GPU (1/2d of K+V),
-                                  as do the pooled caches K̃ and c̃ that scoring reads (kvcache.SubBlockCache)
+                                  as do the pooled caches K̃ and c̃ that scoring reads (nosa.PooledState)
 
 Per decode step and layer, nosa.nosa_decode runs the step and calls this store for three parts:
   write     k, v into the tail, c into its cache (write_tail); nosa_decode then updates K̃, c̃ and
@@ -35,9 +35,10 @@ import weakref
 import torch
 
 import memory
+import nosa
 import offload_kernels
-from common import use_kernels
-from kvcache import Blocks, Cache, KVCache, SubBlockCache, grow, write_now
+from common import grow, use_kernels
+from kvcache import Blocks, Cache, KVCache, write_now
 
 
 def needed_blocks(sel, pos, active, H_kv, B, k):
@@ -295,7 +296,7 @@ class OffloadCache(Cache):
             torch.zeros(Bz, H, max_len if cfg.eviction_head else 0, dtype=cdt, device=device)
             for _ in range(L)
         ]
-        self.sub = SubBlockCache(cfg, Bz, device, dtype, max_len)
+        self.sub = nosa.PooledState(cfg, Bz, device, dtype, max_len)
         self.stats = Stats(L, R, unit, device)
         # micro-batches (split): views; the stream of their gathers
         self.part, self.pcie = False, None
@@ -322,7 +323,7 @@ class OffloadCache(Cache):
 
     def prefill(self, layer, seq, k, v, c, pooled=None, *, put=write_now):
         """One sequence's prompt: k, v (H_kv, T, d), c (H_kv, T), and where the caller has them its
-        pooled caches (SubBlockCache.prefill); put: how the sequence's decode state is written (Cache).
+        pooled caches (nosa.PooledState.prefill); put: how the sequence's decode state is written (Cache).
         Whole blocks go to the host store, the rest to the tail; nothing is resident yet, so the
         first step gathers its selection."""
         cfg, T = self.cfg, k.shape[1]
@@ -404,7 +405,6 @@ class OffloadCache(Cache):
         if c is not None:
             self.c[layer] = grow(self.c[layer], max_pos + 1, 2)
         write_tail(self.pool[layer], self.c[layer], k, v, c, pos, B=cfg.B)
-        self.sub.reserve(layer, max_pos + 1)
         return self.host[layer].shape[1]
 
     def blocks(self, layer, block_mask):

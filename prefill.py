@@ -134,7 +134,7 @@ class PromptLayer:
         )
 
     def pooled(self):
-        """What the decode cache keeps of the whole prompt (kvcache.SubBlockCache.prefill): K̃ (H_kv, M, d),
+        """What the decode cache keeps of the whole prompt (nosa.PooledState.prefill): K̃ (H_kv, M, d),
         c̃ (H_kv, M), the list of the last query block (ids, E) (H_kv, n) and h (H_kv, nb), each
         None where the mode has none."""
         e_list = (

@@ -325,12 +325,12 @@ def test_append_kernel_matches_twin(attn, dtype):
     against twins, step after step from the same state: the ring, K̃ and c̃ as sub-blocks complete,
     and the eviction list as blocks leave the window (E from c̃, or from h in nosa-hh), with scores on a
     coarse grid so that a newcomer often ties with members."""
-    from kvcache import SubBlockCache
-
     cfg = Config.from_preset("tiny", attn=attn, max_seq_len=512)
     Bz, H, d = 3, cfg.H_kv, cfg.head_dim
     grid = lambda *shape: torch.randint(-2, 3, shape, device=DEV).float()  # ties in c̃ and E
-    caches = [SubBlockCache(cfg, Bz, DEV, dtype, 512) for _ in range(2)]
+    import nosa
+
+    caches = [nosa.PooledState(cfg, Bz, DEV, dtype, 512) for _ in range(2)]
     start = dict(
         ring_k=torch.randn(Bz, H, cfg.l_c, d, device=DEV),
         K_sub=torch.randn(Bz, H, 32, d, device=DEV),

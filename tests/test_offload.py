@@ -492,10 +492,10 @@ def test_a_step_is_graphed_from_the_first_sub_block_to_the_capacity():
 @pytest.mark.parametrize("attn", ["nosa", "infllmv2", "nosa-hh"])
 def test_every_cache_buffer_is_listed_and_modelled(attn):
     """Every per-layer buffer of the offloaded cache is in its lists (OffloadCache.ROWS and SEQS,
-    SubBlockCache.BUFFERS: what split and rows slice), and the memory model counts them: the host
+    PooledState.BUFFERS: what split and rows slice), and the memory model counts them: the host
     store exactly, the GPU's within the small tables it leaves out."""
     from config import Config
-    from kvcache import SubBlockCache
+    from nosa import PooledState
     from tests.conftest import small
 
     cfg = Config.from_preset("tiny", **{**small, "attn": attn})
@@ -505,7 +505,7 @@ def test_every_cache_buffer_is_listed_and_modelled(attn):
     }
     assert per_layer(cache) == set(OffloadCache.ROWS + OffloadCache.SEQS)
     assert per_layer(cache.sub) == {
-        n for n in SubBlockCache.BUFFERS if getattr(cache.sub, n) is not None
+        n for n in PooledState.BUFFERS if getattr(cache.sub, n) is not None
     }
     tensors = [
         t for n in OffloadCache.ROWS + OffloadCache.SEQS if n != "host" for t in getattr(cache, n)

@@ -11,7 +11,7 @@ import nosa
 import nosa_kernels
 from attention_kernels import Tiles
 from config import Config
-from kvcache import SubBlockCache, write_now
+from kvcache import write_now
 
 paper = Config.from_preset("paper")
 
@@ -378,7 +378,7 @@ def test_parallel_selection_equals_decode_selection(tied):
     )
     par = nosa.nosa_attention(q, k, v, c, cfg)[1]  # (Bz, H_kv, T, nb)
     assert not par[:, :, -1].all(), "test too short: sparsity never kicks in"
-    sub = SubBlockCache(cfg, Bz, "cpu", torch.float64)
+    sub = nosa.PooledState(cfg, Bz, "cpu", torch.float64)
     starts = [5, 40]
     for i, s in enumerate(starts):
         pooled = nosa.pooled_prompt(k[i, :, :s], c[i, :, :s], cfg)
@@ -386,8 +386,7 @@ def test_parallel_selection_equals_decode_selection(tied):
     for step in range(T - max(starts)):
         pos = torch.tensor([s + step for s in starts])
         rows = torch.arange(Bz)
-        sub.reserve(0, int(pos.max()) + 1)
-        nosa.update_pooled(sub, 0, k[rows, :, pos], c[rows, :, pos], pos, cfg)
+        sub.update(0, k[rows, :, pos], c[rows, :, pos], pos, T=int(pos.max()) + 1)
         nb = cfg.n_blocks(int(pos.max()) + 1)
         q_t = q[rows, :, pos][:, :, None]
         # from c̃, the lists from block 0 on
