@@ -106,8 +106,12 @@ class GraphedDecode:
         """The parts' steps, each on a stream of its own (forked from the current one and joined to
         it), recorded layer by layer in turn: their gathers take turns on PCIe in that order
         (OffloadCache.split), so one part's gather runs while the other computes."""
-        main = torch.cuda.current_stream()
-        streams = [torch.cuda.Stream() for _ in self.parts]
+        main, n = torch.cuda.current_stream(), len(self.parts)
+        # the parts' gathers go first part first, so after the last part's gather PCIe waits on the
+        # first part's compute: where parts compute at once, the earlier part's kernels take the
+        # multiprocessors first (priority -1 for the first of two, 0 for the second)
+        top = torch.cuda.Stream.priority_range()[1]  # the highest (most negative)
+        streams = [torch.cuda.Stream(priority=max(top, i + 1 - n)) for i in range(n)]
         toks = tok.tensor_split(len(self.parts))
         steps = [decode_layers(self.model, t, p) for t, p in zip(toks, self.parts)]
         for s in streams:

@@ -139,11 +139,12 @@ def flush_tails(host, pool, slot_block, block_slot, pos, *, H_kv, B):
     block_slot[r, b] = free
 
 
-def gather_units(host, pool, fetch):
+def gather_units(host, pool, fetch, *, beside=False):
     """pool[r, s] = host[r, fetch[r, s]] where fetch >= 0: the missed blocks from the host store
-    into their slots. Kernel: uva_copy.cu's gather_units (Triton without nvcc)."""
+    into their slots; beside: while another micro-batch computes. Kernel: uva_copy.cu's
+    gather_units (Triton without nvcc)."""
     if use_kernels(pool) and host.is_pinned():
-        return offload_kernels.gather_units(host, pool, fetch)
+        return offload_kernels.gather_units(host, pool, fetch, beside=beside)
     f = fetch.to(host.device)
     r, s = torch.nonzero(f >= 0, as_tuple=True)
     if r.numel():
@@ -418,7 +419,14 @@ class OffloadCache(Cache):
             block_mask.reshape(R, -1), self.len, self.active, cfg.H_kv, B, k
         )
         set_difference(need_ids, slot_block, self.block_slot[layer], fetch)
-        s = self.stats
+        if self.pcie is None:
+            gather_units(host, pool, fetch)
+        else:  # micro-batches: the parts' gathers take turns on PCIe (split)
+            here = torch.cuda.current_stream()
+            self.pcie.wait_stream(here)
+            with torch.cuda.stream(self.pcie):
+                gather_units(host, pool, fetch, beside=True)
+        s = self.stats  # counted while the gather runs: off the path from selection to PCIe
         count_moves(
             fetch,
             n_need,
@@ -429,13 +437,7 @@ class OffloadCache(Cache):
             steps=s.stepped[layer],
             row_max=s.row_max,
         )
-        if self.pcie is None:
-            gather_units(host, pool, fetch)
-        else:  # micro-batches: the parts' gathers take turns on PCIe (split)
-            here = torch.cuda.current_stream()
-            self.pcie.wait_stream(here)
-            with torch.cuda.stream(self.pcie):
-                gather_units(host, pool, fetch)
+        if self.pcie is not None:
             here.wait_stream(self.pcie)
         return Blocks(c=self.c[layer] if cfg.eviction_head else None, pool=pool, slots=slot_block)
 

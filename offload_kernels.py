@@ -377,18 +377,22 @@ def count_moves(fetch, n_need, fresh, *, needed, moved, cold, steps, row_max):
     )
 
 
-def gather_ctas(unit_bytes):
+def gather_ctas(unit_bytes, beside=False):
     """Thread blocks for the gather: 16, and 256 KiB / unit for units under 16 KiB (64 for 4 KiB): about
-    256 KiB of loads in flight keep PCIe busy, and few blocks leave the other multiprocessors to the
-    kernels of a micro-batch running beside the gather (fast.GraphedDecode)."""
+    256 KiB of loads in flight keep PCIe busy. Beside a micro-batch's compute (fast.GraphedDecode),
+    12 for units of 16 KiB and more: the fastest of 8-24 there (docs/LOG.md), fewer blocks leaving
+    more multiprocessors to the kernels the next gather waits on."""
+    if beside and unit_bytes >= 2**14:
+        return 12
     return max(16, 2**18 // min(unit_bytes, 2**14))
 
 
-def gather_units(host, pool, fetch):
-    """offload.gather_units: uva_copy.cu, or Triton without nvcc."""
+def gather_units(host, pool, fetch, *, beside=False):
+    """offload.gather_units (same arguments): uva_copy.cu, or Triton without nvcc."""
     ext = uva(pool.device)
     if ext:
-        ext.gather_units(host, pool, fetch, gather_ctas(host.stride(1) * host.element_size()))
+        unit = host.stride(1) * host.element_size()
+        ext.gather_units(host, pool, fetch, gather_ctas(unit, beside))
     else:
         gather_units_triton(host, pool, fetch)
 
