@@ -82,9 +82,18 @@ class Cache:
     def capacity(self):
         raise NotImplementedError
 
+    # the lengths and which sequences advance are written here only, the device's and the host's
+    # copy together (finish, which the device decides, excepted: the host's stays an upper bound)
     def set_length(self, seq, T, put):  # after a prefill of T tokens into sequence seq
         put(self.len, seq, T)
         put(self.len_cpu, seq, T)
+
+    def set_active(self, seq, on):  # seq: an index or a slice of sequences
+        self.active[seq] = self.active_cpu[seq] = on
+
+    def hold(self, seq):  # back to position 0, not advancing (serve.Parked)
+        self.len[seq] = self.len_cpu[seq] = 0
+        self.set_active(seq, False)
 
     def advance(self):
         self.len += self.active

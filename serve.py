@@ -65,8 +65,7 @@ class Parked:
 
     def __init__(self, cache, seq):
         self.cache, self.seq, self.writes = cache, seq, []
-        cache.len[seq] = cache.len_cpu[seq] = 0
-        cache.active[seq] = cache.active_cpu[seq] = False
+        cache.hold(seq)
 
     def prefill(self, layer, seq, k, v, c, pooled=None):  # what prefill.prefill_passes calls
         self.cache.prefill(layer, seq, k, v, c, pooled, put=self.put)
@@ -81,7 +80,7 @@ class Parked:
             if torch.is_tensor(value) and value.is_cuda:  # memory not reused before the copy ran
                 value.record_stream(torch.cuda.current_stream(value.device))
             t[index] = value
-        self.cache.active[self.seq] = self.cache.active_cpu[self.seq] = True
+        self.cache.set_active(self.seq, True)
 
 
 class Prefill:

@@ -269,7 +269,7 @@ def bench_served(
             if i:
                 row[f"G{G}"] = figures
         fill_random(cache, cfg, Bz, prompt_len, dev, dtype)
-        cache.active[:], cache.active_cpu[:] = True, True  # serve left the rows parked
+        cache.set_active(slice(None), True)  # serve left the rows parked
         decode = GraphedDecode(model, cache, micro)
         row.update(
             beside_prefill(
