@@ -9,6 +9,7 @@ Benchmarks, run on the GPU machine; every figure is a ratio against a limit meas
     python -m bench eviction [--checkpoint DIR] # how much attention Γ(t) holds, per rule for E (CPU)
     python -m bench throughput --shape 8b --prompt-len 32768 --gpu-budget 24   # decode at a fixed GPU budget
     python -m bench throughput --ckpts out/ --prompt-len 8192                  # the same, trained tiny models
+    python -m bench overlap --shape 8b --batch 26                              # where an offloaded step's time goes
     python -m bench requests --shape 8b --prompt-len 131072 --gpu-budget 24    # whole requests: prefill + decode
     python -m bench served --shape 8b --prompt-len 131072                      # the same, served (serve.py)
     python -m bench arrivals --rates 0.05,0.1 --prompt-lens 65536:131072       # served, arriving over time

@@ -17,6 +17,7 @@ from bench import (  # noqa: E402
     eviction,
     gather,
     kernels,
+    overlap,
     plot,
     pretrained,
     quality,
@@ -26,8 +27,8 @@ from bench import (  # noqa: E402
 )
 
 # the files that hold benchmarks; a new one is one more name here
-MODULES = (gather, kernels, quality, eviction, throughput, requests, arrivals, recall, pretrained)
-MODULES += (plot,)
+MODULES = (gather, kernels, quality, eviction, throughput, overlap, requests, arrivals)
+MODULES += (recall, pretrained, plot)
 
 
 def parser():

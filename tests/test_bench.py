@@ -419,7 +419,11 @@ def test_distances_flag():
         (["decode", "--tp", "2"], "unrecognized arguments: --tp 2"),
         (["nonesuch"], "invalid choice: 'nonesuch'"),
     ]
-    + ([(["throughput"], "on a CPU")] if not torch.cuda.is_available() else []),
+    + (
+        [(["throughput"], "on a CPU"), (["overlap"], "measures the GPU machine")]
+        if not torch.cuda.is_available()
+        else []
+    ),
 )
 def test_bench_arguments_fail_in_one_line_before_any_work(argv, msg, capsys, monkeypatch, tmp_path):
     """python -m bench: a bad number, system or output path, and a CPU asked for a GPU-sized run,
@@ -478,6 +482,37 @@ def test_throughput_bench_with_tensor_parallelism_small():
         line for line in r.stdout.splitlines() if line.startswith("{'system': 'nosa + offload'")
     ]
     assert len(rows) == 1 and "'tp': 2" in rows[0] and "'batch': 0" not in rows[0]
+
+
+def test_the_overlap_split_of_a_timeline_against_a_slow_reference():
+    """bench overlap's split of a trace (the gathers against the rest): random kernels on two
+    streams, against a count of ticks."""
+    from bench.overlap import split_timeline
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        kernels = []
+        for stream in ("gather_units_kernel", "other"):
+            t = 0
+            for _ in range(int(torch.randint(1, 8, (1,), generator=g))):
+                t += int(torch.randint(0, 30, (1,), generator=g))
+                d = int(torch.randint(1, 40, (1,), generator=g))
+                kernels.append((stream, t, t + d))
+                t += d
+        lo, hi = min(a for _, a, _ in kernels), max(b for _, _, b in kernels)
+        ticks = [(t, {n for n, a, b in kernels if a <= t < b}) for t in range(lo, hi)]
+        is_g = lambda names: any("gather_units" in n for n in names)
+        is_r = lambda names: any("gather_units" not in n for n in names)
+        want = dict(
+            span_ms=hi - lo,
+            gather_ms=sum(is_g(s) for _, s in ticks),
+            rest_ms=sum(is_r(s) for _, s in ticks),
+            overlap_ms=sum(is_g(s) and is_r(s) for _, s in ticks),
+            idle_ms=sum(not s for _, s in ticks),
+            pcie_idle_ms=sum(not is_g(s) for _, s in ticks),
+        )
+        got = split_timeline([(n, a * 1000, b * 1000) for n, a, b in kernels], steps=1)
+        assert got == want, (got, want)  # a tick as 1 ms
 
 
 def test_every_bench_command_in_the_documents_parses():

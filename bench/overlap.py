@@ -1,0 +1,134 @@
+"""Where an offloaded decode step's time goes on the device: the graphed step with 1, 2, ...
+micro-batches (fast.GraphedDecode), with its gathers and without them (what it reads from HBM
+alone), and each traced: the gather kernels against the rest on the device's timeline. What the
+parts' overlap wins, and where PCIe still waits (docs/LOG.md, 2026-12-06)."""
+
+import contextlib
+import json
+import os
+import tempfile
+import time
+
+import torch
+
+import bench
+import fast
+import memory
+import offload
+from bench import SHAPES
+from bench.throughput import fill_random
+from config import Config
+from generate import random_model
+
+
+def union(spans):
+    """The total length of the union of intervals (start, end)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def split_timeline(kernels, steps):
+    """kernels: (name, start, end) of the device's kernels over `steps` steps, in µs -> per step, in
+    ms: the span, the time a gather runs, the time anything else runs, both at once, neither (idle),
+    and no gather (PCIe waits)."""
+    gather = [(a, b) for name, a, b in kernels if "gather_units" in name]
+    rest = [(a, b) for name, a, b in kernels if "gather_units" not in name]
+    span = max(b for _, _, b in kernels) - min(a for _, a, _ in kernels)
+    ug, ur, both = union(gather), union(rest), union(gather + rest)
+    ms = lambda us: round(us / steps / 1e3, 2)
+    return dict(
+        span_ms=ms(span),
+        gather_ms=ms(ug),
+        rest_ms=ms(ur),
+        overlap_ms=ms(ug + ur - both),
+        idle_ms=ms(span - both),
+        pcie_idle_ms=ms(span - ug),
+    )
+
+
+@contextlib.contextmanager
+def gathers(on):
+    """Steps with their gathers, or without (the blocks stay as they are: timing only, the logits
+    are wrong)."""
+    real = offload.gather_units
+    if not on:
+        offload.gather_units = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        offload.gather_units = real
+
+
+def traced(step, tok, steps):
+    """steps steps under torch.profiler -> (tok, the device's kernels as (name, start, end) in µs)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            tok = step(tok)
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as d:
+        prof.export_chrome_trace(os.path.join(d, "trace.json"))
+        with open(os.path.join(d, "trace.json")) as f:
+            events = json.load(f)["traceEvents"]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    return tok, [(e["name"], e["ts"], e["ts"] + e["dur"]) for e in kernels]
+
+
+def bench_overlap(shape="8b", prompt_len=131072, *, batch=26, micro_batches=(1, 2), steps=24):
+    """The graphed decode step of `batch` random prompts of prompt_len (random weights, an offloaded
+    cache in the host memory there is) with each number of micro-batches, with and without its
+    gathers: ms a step (the mean of `steps` replays), and the split of a trace of 3 more."""
+    bench.need_gpu("overlap")
+    preset, over = SHAPES[shape]
+    max_len = prompt_len + 4 * steps + 64
+    cfg = Config.from_preset(preset, **over, attn="nosa", max_seq_len=max_len)
+    torch.manual_seed(0)
+    model = random_model(cfg, "cuda", torch.bfloat16)
+    fast.compile_model(model)
+    cache = offload.OffloadCache(
+        cfg, batch, "cuda", torch.bfloat16, max_len=max_len,
+        host_budget=memory.host_bytes_available(),
+    )  # fmt: skip
+    rows, tok = [], torch.randint(0, cfg.vocab_size, (batch,), device="cuda")
+    step = lambda decode: lambda t: decode(t).argmax(-1)
+    with torch.no_grad():
+        fill_random(cache, cfg, batch, prompt_len, "cuda", torch.bfloat16)
+        for _ in range(2):  # the first steps after the prefill gather whole selections
+            tok = step(lambda t: model.decode(t, cache))(tok)
+        for mb in micro_batches:
+            for on in (True, False):
+                with gathers(on):
+                    decode = step(fast.GraphedDecode(model, cache, mb))
+                    for _ in range(4):  # eager, capture, replays
+                        tok = decode(tok)
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    for _ in range(steps):
+                        tok = decode(tok)
+                    torch.cuda.synchronize()
+                    ms = (time.perf_counter() - t0) * 1e3 / steps
+                    tok, kernels = traced(decode, tok, 3)
+                row = dict(micro_batches=mb, gathers=on, step_ms=round(ms, 2))
+                row.update(split_timeline(kernels, 3), tokens_s=round(batch / ms * 1e3, 1))
+                print(row, flush=True)
+                rows.append(row)
+    return rows
+
+
+def flags(p):
+    bench.add_shape(p)
+    p.add_argument("--batch", type=bench.at_least_one, help="sequences (default: %(default)s)")
+    p.add_argument(
+        "--micro-batches",
+        type=bench.positive_ints,
+        help="numbers of micro-batches, e.g. 1,2 (default: %(default)s)",
+    )
+    p.add_argument("--steps", type=bench.at_least_one, help="timed steps (default: %(default)s)")
+
+
+COMMANDS = {"overlap": (bench_overlap, flags)}
