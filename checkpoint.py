@@ -8,6 +8,7 @@ with model.safetensors.index.json, tokenizer.json. Tensor names are the same in 
 "model." prefix, so one loader reads both.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -350,6 +351,23 @@ def config_from_hf(hf, **overrides):
     return Config.from_preset("paper", **{**shape, **overrides})
 
 
+@contextlib.contextmanager
+def weights_not_drawn():
+    """Modules made without drawing initial weights, which the checkpoint's replace: drawn on the
+    meta device they go through torch's Python decompositions, whose first use imports
+    torch._dynamo, seconds of a start where nothing is compiled."""
+    saved = {
+        name: getattr(torch.nn.init, name) for name in ("normal_", "uniform_", "kaiming_uniform_")
+    }
+    for name in saved:
+        setattr(torch.nn.init, name, lambda t, *a, **k: t)
+    try:
+        yield
+    finally:
+        for name, f in saved.items():
+            setattr(torch.nn.init, name, f)
+
+
 def load(path, device="cpu", dtype=None, **overrides):
     """Returns (model, tokenizer) from this project's checkpoint directory or a Hugging Face Llama-format
     one (config.json, model.safetensors or shards with model.safetensors.index.json, tokenizer.json).
@@ -404,7 +422,7 @@ def load(path, device="cpu", dtype=None, **overrides):
                 f"{os.path.join(path, fname)} is corrupt or truncated ({e}); re-download or "
                 f"re-train it"
             ) from None
-    with torch.device("meta"):
+    with torch.device("meta"), weights_not_drawn():
         model = Transformer(cfg)
     want = {
         k: tuple(v.shape)
