@@ -31,22 +31,26 @@ def union(spans):
     return total
 
 
-def split_timeline(kernels, steps):
-    """kernels: (name, start, end) of the device's kernels over `steps` steps, in µs -> per step, in
-    ms: the span, the time a gather runs, the time anything else runs, both at once, neither (idle),
-    and no gather (PCIe waits)."""
-    gather = [(a, b) for name, a, b in kernels if "gather_units" in name]
-    rest = [(a, b) for name, a, b in kernels if "gather_units" not in name]
-    span = max(b for _, _, b in kernels) - min(a for _, a, _ in kernels)
+def split_timeline(kernels, gathers_a_step):
+    """kernels: (name, start, end) of the device's kernels over a few steps, in µs, gathers_a_step
+    of them gathers (layers x micro-batches) -> per step, in ms: the step (from one step's last
+    gather's end to the next's), the time a gather runs, the time anything else runs, both at once,
+    neither (idle), and no gather (PCIe waits). The first step is left out: a trace starts late."""
+    ends = sorted(b for name, a, b in kernels if "gather_units" in name)
+    steps = len(ends) // gathers_a_step - 1
+    lo, hi = ends[gathers_a_step - 1], ends[(steps + 1) * gathers_a_step - 1]
+    clip = lambda spans: [(max(a, lo), min(b, hi)) for a, b in spans if b > lo and a < hi]
+    gather = clip([(a, b) for name, a, b in kernels if "gather_units" in name])
+    rest = clip([(a, b) for name, a, b in kernels if "gather_units" not in name])
     ug, ur, both = union(gather), union(rest), union(gather + rest)
     ms = lambda us: round(us / steps / 1e3, 2)
     return dict(
-        span_ms=ms(span),
+        step_ms=ms(hi - lo),
         gather_ms=ms(ug),
         rest_ms=ms(ur),
         overlap_ms=ms(ug + ur - both),
-        idle_ms=ms(span - both),
-        pcie_idle_ms=ms(span - ug),
+        idle_ms=ms(hi - lo - both),
+        pcie_idle_ms=ms(hi - lo - ug),
     )
 
 
@@ -82,7 +86,7 @@ def traced(step, tok, steps):
 def bench_overlap(shape="8b", prompt_len=131072, *, batch=26, micro_batches=(1, 2), steps=24):
     """The graphed decode step of `batch` random prompts of prompt_len (random weights, an offloaded
     cache in the host memory there is) with each number of micro-batches, with and without its
-    gathers: ms a step (the mean of `steps` replays), and the split of a trace of 3 more."""
+    gathers: ms a step (the mean of `steps` replays), and with them the split of a trace of 4 more."""
     bench.need_gpu("overlap")
     preset, over = SHAPES[shape]
     max_len = prompt_len + 4 * steps + 64
@@ -112,9 +116,11 @@ def bench_overlap(shape="8b", prompt_len=131072, *, batch=26, micro_batches=(1, 
                         tok = decode(tok)
                     torch.cuda.synchronize()
                     ms = (time.perf_counter() - t0) * 1e3 / steps
-                    tok, kernels = traced(decode, tok, 3)
+                    tok, kernels = traced(decode, tok, 4)
                 row = dict(micro_batches=mb, gathers=on, step_ms=round(ms, 2))
-                row.update(split_timeline(kernels, 3), tokens_s=round(batch / ms * 1e3, 1))
+                split = {} if not on else split_timeline(kernels, cfg.n_layer * mb)
+                row.update({f"traced_{k}": v for k, v in split.items()})
+                row.update(tokens_s=round(batch / ms * 1e3, 1))
                 print(row, flush=True)
                 rows.append(row)
     return rows

@@ -485,34 +485,38 @@ def test_throughput_bench_with_tensor_parallelism_small():
 
 
 def test_the_overlap_split_of_a_timeline_against_a_slow_reference():
-    """bench overlap's split of a trace (the gathers against the rest): random kernels on two
-    streams, against a count of ticks."""
+    """bench overlap's split of a trace (the gathers against the rest, the first step left out):
+    random kernels on two streams, 3 gathers a step, against a count of ticks."""
     from bench.overlap import split_timeline
 
     g = torch.Generator().manual_seed(0)
+    draw = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=g))
     for _ in range(20):
-        kernels = []
-        for stream in ("gather_units_kernel", "other"):
+        kernels, G = [], 3
+        for stream, n in (("gather_units_kernel", G * draw(2, 5)), ("other", draw(1, 20))):
             t = 0
-            for _ in range(int(torch.randint(1, 8, (1,), generator=g))):
-                t += int(torch.randint(0, 30, (1,), generator=g))
-                d = int(torch.randint(1, 40, (1,), generator=g))
+            for _ in range(n):
+                t += draw(0, 30)
+                d = draw(1, 40)
                 kernels.append((stream, t, t + d))
                 t += d
-        lo, hi = min(a for _, a, _ in kernels), max(b for _, _, b in kernels)
-        ticks = [(t, {n for n, a, b in kernels if a <= t < b}) for t in range(lo, hi)]
+        ends = sorted(b for n, a, b in kernels if n.startswith("gather"))
+        steps = len(ends) // G - 1
+        lo, hi = ends[G - 1], ends[-1]
+        ticks = [{n for n, a, b in kernels if a <= t < b} for t in range(lo, hi)]
         is_g = lambda names: any("gather_units" in n for n in names)
         is_r = lambda names: any("gather_units" not in n for n in names)
         want = dict(
-            span_ms=hi - lo,
-            gather_ms=sum(is_g(s) for _, s in ticks),
-            rest_ms=sum(is_r(s) for _, s in ticks),
-            overlap_ms=sum(is_g(s) and is_r(s) for _, s in ticks),
-            idle_ms=sum(not s for _, s in ticks),
-            pcie_idle_ms=sum(not is_g(s) for _, s in ticks),
+            step_ms=hi - lo,
+            gather_ms=sum(map(is_g, ticks)),
+            rest_ms=sum(map(is_r, ticks)),
+            overlap_ms=sum(is_g(s) and is_r(s) for s in ticks),
+            idle_ms=sum(not s for s in ticks),
+            pcie_idle_ms=sum(not is_g(s) for s in ticks),
         )
-        got = split_timeline([(n, a * 1000, b * 1000) for n, a, b in kernels], steps=1)
-        assert got == want, (got, want)  # a tick as 1 ms
+        want = {k: round(v / steps, 2) for k, v in want.items()}
+        got = split_timeline([(n, a * 1000, b * 1000) for n, a, b in kernels], G)  # a tick: 1 ms
+        assert got == want, (got, want)
 
 
 def test_every_bench_command_in_the_documents_parses():
