@@ -11,6 +11,7 @@ InfLLMv2 and NOSA, and measured on the held-out files of the corpus the training
   code, asked for at the end ("The secret number is" begun for the assistant), greedy."""
 
 import os
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -22,6 +23,7 @@ import data
 import eviction
 import pooling
 from bench.eviction import block_mass, mass_share
+from model import Attention
 
 SPARSITY = ("B", "l_c", "s_c", "n_sink", "n_win", "k", "k_q")
 
@@ -39,6 +41,7 @@ def systems(dense, full, infllmv2, nosa):
         ("infllmv2 training-free, imported", dense, as_infllmv2, False),
         ("full, continued", full, {}, False),
         ("infllmv2 training-free, continued", full, as_infllmv2, False),
+        ("nosa training-free, continued, A = 0", full, as_infllmv2 | dict(attn="nosa"), True),
         ("infllmv2, trained", infllmv2, {}, False),
         ("nosa, trained", nosa, {}, False),
         ("nosa, trained, A = 0", nosa, {}, True),
@@ -52,6 +55,26 @@ def systems(dense, full, infllmv2, nosa):
     if checkpoint.is_checkpoint(hh):
         out.append(("nosa-hh, trained", hh, {}, False))
     return out
+
+
+def load(path, over, head_off, dev):
+    """A system's model, fp32: the checkpoint at its overrides, its eviction head turned off (A = 0:
+    no bias, E flat, so the core is the most recent blocks) where asked. A dense checkpoint read as
+    NOSA gets a head that is off: NOSA training-free."""
+    if over.get("attn") == "nosa" and not checkpoint.read_config(path)[1].eviction_head:
+        model = checkpoint.load(path, dev, torch.float32, **(over | dict(attn="infllmv2")))[0]
+        cfg = replace(model.cfg, attn="nosa")
+        for m in model.modules():
+            if isinstance(m, Attention):
+                m.delta = torch.nn.Linear(cfg.H_kv * cfg.head_dim, cfg.H_kv, bias=False, device=dev)
+                m.A = torch.nn.Parameter(torch.zeros(cfg.H_kv, device=dev))
+            if hasattr(m, "cfg"):
+                m.cfg = cfg
+        return model
+    model = checkpoint.load(path, dev, torch.float32, **over)[0]
+    for layer in model.layers if head_off else ():
+        layer.self_attn.A.data.zero_()
+    return model
 
 
 def captured(dense, full, systems_, windows=4, T=8192):
@@ -248,9 +271,7 @@ def bench_pretrained(
     cases = None
     loss, offload, recall, where = [], [], [], []
     for name, path, over, head_off in systems(dense, full, infllmv2, nosa):
-        model, _ = checkpoint.load(path, dev, torch.float32, **over)
-        for layer in model.layers if head_off else ():
-            layer.self_attn.A.data.zero_()
+        model = load(path, over, head_off, dev)
         cfg = model.cfg
         losses = window_losses(model, x, T // 2)
         loss.append(dict(system=name, loss=round(float(np.mean(losses)), 4), windows=windows))

@@ -417,11 +417,14 @@ def test_bench_pretrained_on_a_small_imported_model(tmp_path):
         long=(2, 100, 20),
     )
     names = [r["system"] for r in tables["loss"]]
-    assert len(names) == 10 and tables["loss"][2]["vs_full_continued"] == "+0.00%"
+    assert len(names) == 11 and tables["loss"][2]["vs_full_continued"] == "+0.00%"
     assert all(0 < r["loss"] < 10 for r in tables["loss"])
     hit = {r["system"]: r["hit_rate"] for r in tables["offload"]}
     assert set(hit) == {n for n in names if "infllmv2" in n or "nosa" in n}
-    assert min(hit["nosa, trained"], hit["nosa, trained, A = 0"]) >= (6 - 2) / 6  # k_e / k
+    free = "nosa training-free, continued, A = 0"
+    assert (
+        min(hit["nosa, trained"], hit["nosa, trained, A = 0"], hit[free]) >= (6 - 2) / 6
+    )  # k_e / k
     assert all(set(r) == {"system", "recall_120", "recall_200"} for r in tables["recall"])
     for r in tables["fact_in_selection"]:
         assert abs(sum(r[p] for p in ("forced", "Q", "E", "none")) - 1) < 1e-6
@@ -433,3 +436,31 @@ def test_bench_pretrained_on_a_small_imported_model(tmp_path):
     assert trained < set(held) and all(0 < v <= 1 for v in held.values())
     gen = {r["system"] for r in tables["long_generation"]}
     assert gen == {n for n in names if "imported" not in n and "A = 0" not in n}
+
+
+def test_a_dense_checkpoint_read_as_nosa_with_its_head_off(tmp_path):
+    """bench pretrained's training-free NOSA: a full-attention checkpoint read as NOSA (its head
+    off: A = 0) gives the logits of a NOSA model of the same weights whose A is 0, and not the
+    dense model's."""
+    from dataclasses import replace
+
+    from bench import pretrained
+
+    torch.manual_seed(0)
+    sets = dict(B=16, l_c=8, s_c=4, n_sink=1, n_win=1, k=6, k_q=2)
+    cfg = Config.from_preset("tiny", n_layer=2, dim=64, hidden_dim=128, max_seq_len=512)
+    dense = Transformer(cfg)
+    checkpoint.save(dense, checkpoint.byte_tokenizer(), str(tmp_path / "full"))
+    got = pretrained.load(str(tmp_path / "full"), dict(attn="nosa", **sets), True, "cpu")
+    want = Transformer(replace(cfg, attn="nosa", **sets))
+    want.load_state_dict(dense.state_dict(), strict=False)
+    for layer in want.layers:
+        layer.self_attn.A.data.zero_()
+        layer.self_attn.delta.weight.data.normal_()  # anything: A = 0 turns it off
+    assert got.cfg.attn == "nosa" and all(
+        m.cfg is got.cfg for m in got.modules() if hasattr(m, "cfg")
+    )
+    x = torch.randint(0, cfg.vocab_size, (2, 300))
+    with torch.no_grad():
+        torch.testing.assert_close(got(x), want(x), rtol=0, atol=1e-5)
+        assert (got(x) - dense(x)).abs().max() > 1e-3  # sparse: not the dense model's
