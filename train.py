@@ -123,8 +123,15 @@ class Options:
                 ("stop_at", 1),
             ),
         )
-        if not self.evict_lr_mult > 0:
-            raise ValueError(f"--evict-lr-mult {self.evict_lr_mult}: must be positive")
+        if not self.evict_lr_mult >= 0:
+            raise ValueError(
+                f"--evict-lr-mult {self.evict_lr_mult}: 0 or more (0: the head stays off)"
+            )
+        if self.evict_lr_mult == 0 and (self.head_warmup or self.head_distill):
+            raise ValueError(
+                "--evict-lr-mult 0 keeps the eviction head off, which --head-warmup and "
+                "--head-distill would teach: give a positive --evict-lr-mult, or drop them"
+            )
         if not self.lr > 0:
             raise ValueError(f"--lr {self.lr}: must be positive")
         if not 0 <= self.head_warmup < self.steps:
@@ -244,8 +251,8 @@ def main(**flags):
 
 def optimizer(model, o, device):
     """AdamW with weight decay on matrices only; the eviction head (A starts at 0, and W_δ gets a
-    gradient only through A) in a group of its own, at evict_lr_mult times the learning rate.
-    Returns it and whether the model has the head."""
+    gradient only through A) in a group of its own, at evict_lr_mult times the learning rate (0:
+    left out, so it stays as it starts). Returns it and whether the model has the head."""
     evict = {
         n
         for n, _ in model.named_parameters()
@@ -256,7 +263,10 @@ def optimizer(model, o, device):
         dict(params=[p for _, p in params if p.dim() >= 2], weight_decay=o.weight_decay),
         dict(params=[p for _, p in params if p.dim() < 2], weight_decay=0.0),
     ]
-    if evict:
+    if evict and o.evict_lr_mult == 0:  # off: no gradient, and none in the clipped norm
+        for n, p in model.named_parameters():
+            p.requires_grad_(n not in evict)
+    elif evict:
         groups.append(
             dict(
                 params=[p for n, p in model.named_parameters() if n in evict],
@@ -436,7 +446,8 @@ def cli(argv=None):
     p.add_argument(
         "--evict-lr-mult",
         type=float,
-        help="learning rate of the eviction head (A, W_δ) as a multiple of --lr",
+        help="learning rate of the eviction head (A, W_δ) as a multiple of --lr; 0: the head stays "
+        "as it starts, off (A = 0: the core is the most recent blocks)",
     )
     p.add_argument(
         "--tasks",

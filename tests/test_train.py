@@ -305,7 +305,11 @@ def test_data_that_is_not_text_is_refused(tmp_path, corpus):
         (["--lr", "inf"], "--lr inf: give a finite number"),
         (["--stop-at", "0"], "--stop-at 0: must be at least 1"),
         (["--evict-lr-mult", "nan"], "--evict-lr-mult nan: give a finite number"),
-        (["--evict-lr-mult", "0"], "--evict-lr-mult 0.0: must be positive"),
+        (["--evict-lr-mult", "-1"], "--evict-lr-mult -1.0: 0 or more (0: the head stays off)"),
+        (
+            ["--evict-lr-mult", "0", "--head-warmup", "2"],
+            "--evict-lr-mult 0 keeps the eviction head off",
+        ),
         (["--answer-weight", "inf", "--tasks", "0.2"], "--answer-weight inf: give a finite number"),
         (["--out", checkpoint.DEFAULT_CHECKPOINT], "training never writes into"),
         (["--head-warmup", "120"], "--head-warmup 120: the first steps of the run's --steps 120"),
@@ -351,6 +355,21 @@ def test_init_from_a_dense_model(corpus, tmp_path):
     assert state["init_from"] == str(tmp_path / "full")
     with pytest.raises(ValueError, match="--init-from starts a new run"):
         train.main(out=str(tmp_path / "nosa"), resume=True, init_from=str(tmp_path / "full"), **kw)
+
+
+def test_a_head_kept_off_stays_off(corpus, tmp_path):
+    """--evict-lr-mult 0: NOSA trained with its eviction head off throughout (A stays exactly 0,
+    W_δ as it started, the core by recency), the rest of the model trained as with the head."""
+    kw = dict(data=corpus, data_dir=str(tmp_path / "data"), **run, **small, attn="nosa")
+    torch.manual_seed(0)
+    start = train.main(out=str(tmp_path / "s"), steps=1, eval_every=1, lr=1e-30, warmup=0,
+                       **{k: v for k, v in kw.items() if k not in ("lr", "warmup")})[0]  # fmt: skip
+    torch.manual_seed(0)
+    off, _ = train.main(out=str(tmp_path / "off"), steps=6, eval_every=6, evict_lr_mult=0, **kw)
+    for a, b in zip(start.layers, off.layers):
+        assert torch.equal(b.self_attn.A, torch.zeros_like(b.self_attn.A))
+        assert torch.equal(a.self_attn.delta.weight, b.self_attn.delta.weight)
+        assert not torch.equal(a.self_attn.o_proj.weight, b.self_attn.o_proj.weight)
 
 
 def test_out_never_replaces_what_is_not_ours(corpus, tmp_path):
