@@ -32,8 +32,9 @@ def systems(dense, full, infllmv2, nosa):
     """(name, checkpoint, config overrides, whether the eviction head is turned off): each model
     with its own attention, the dense ones also training-free as InfLLMv2 at the NOSA model's
     sparsity, and NOSA with A = 0 (its bias gone and E flat: the core is the most recent blocks);
-    then, where they were trained, NOSA with the head's warm-up (DIR-nosa-warm, train.py
-    --head-warmup) and nosa-hh (DIR-nosa-hh)."""
+    then, where they were trained, NOSA with its head off throughout (DIR-nosa-off, train.py
+    --evict-lr-mult 0), with the head's warm-up (DIR-nosa-warm, --head-warmup) and nosa-hh
+    (DIR-nosa-hh)."""
     sparse = checkpoint.read_config(nosa)[1]
     as_infllmv2 = dict(attn="infllmv2", **{f: getattr(sparse, f) for f in SPARSITY})
     out = [
@@ -46,7 +47,9 @@ def systems(dense, full, infllmv2, nosa):
         ("nosa, trained", nosa, {}, False),
         ("nosa, trained, A = 0", nosa, {}, True),
     ]
-    warm, hh = f"{nosa}-warm", f"{dense}-nosa-hh"
+    warm, hh, off = f"{nosa}-warm", f"{dense}-nosa-hh", f"{nosa}-off"
+    if checkpoint.is_checkpoint(off):  # train.py --evict-lr-mult 0
+        out.append(("nosa, trained with its head off throughout", off, {}, False))
     if checkpoint.is_checkpoint(warm):
         out += [
             ("nosa + warm-up, trained", warm, {}, False),

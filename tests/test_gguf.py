@@ -387,10 +387,11 @@ def test_bench_pretrained_on_a_small_imported_model(tmp_path):
     sparsity = dict(B=16, l_c=8, s_c=4, n_sink=1, n_win=1, k=6, k_q=2)  # k·B = 96, a core of 2
     runs = dict(full={}, infllmv2={}, nosa={}, **{"nosa-hh": {}})
     runs["nosa-warm"] = dict(head_warmup=1, head_distill=0.5)  # the head's warm-up, then with it
+    runs["nosa-off"] = dict(evict_lr_mult=0)  # the head off throughout
     for name, extra in runs.items():
         train.main(
             out=f"{dense}-{name}",
-            attn=name.replace("-warm", ""),
+            attn=name.replace("-warm", "").replace("-off", ""),
             **extra,
             init_from=dense,
             data=str(corpus),
@@ -417,7 +418,7 @@ def test_bench_pretrained_on_a_small_imported_model(tmp_path):
         long=(2, 100, 20),
     )
     names = [r["system"] for r in tables["loss"]]
-    assert len(names) == 11 and tables["loss"][2]["vs_full_continued"] == "+0.00%"
+    assert len(names) == 12 and tables["loss"][2]["vs_full_continued"] == "+0.00%"
     assert all(0 < r["loss"] < 10 for r in tables["loss"])
     hit = {r["system"]: r["hit_rate"] for r in tables["offload"]}
     assert set(hit) == {n for n in names if "infllmv2" in n or "nosa" in n}
