@@ -374,6 +374,26 @@ def load(path, device="cpu", dtype=None, **overrides):
     `overrides` change config fields (e.g. attn="infllmv2"). Every failure is one line that says what
     to do, and comes before any tensor is loaded: nothing is half-loaded."""
     path = located(path)
+    check_files(path)
+    raw, cfg = read_config(path, **overrides)
+    eos_ids, chat_template, special_tokens, tokenizer = side_files(path, raw, cfg)
+    shapes, where = tensor_headers(path)  # every header first: names and shapes before any data
+    with torch.device("meta"), weights_not_drawn():
+        model = Transformer(cfg)
+    check_tensors(path, model, shapes, where)
+    model.load_state_dict(read_tensors(path, where, device, dtype), strict=False, assign=True)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.eos_ids, model.chat_template, model.special_tokens = (
+        eos_ids,
+        chat_template,
+        special_tokens,
+    )
+    return model.eval(), tokenizer
+
+
+def check_files(path):
+    """A checkpoint directory with its files (load), or one line that says what to give."""
     if os.path.isfile(path):
         raise FileNotFoundError(
             f"{path!r} is a file, not a checkpoint directory; give the directory train.py "
@@ -385,25 +405,27 @@ def load(path, device="cpu", dtype=None, **overrides):
             f"{path}`, or give the path of an existing one"
         )
     index = os.path.join(path, "model.safetensors.index.json")
-    single = os.path.join(path, "model.safetensors")
     missing = [
         n for n in ("config.json", "tokenizer.json") if not os.path.isfile(os.path.join(path, n))
     ]
-    if not (os.path.isfile(single) or os.path.isfile(index)):
+    if not (os.path.isfile(os.path.join(path, "model.safetensors")) or os.path.isfile(index)):
         missing.insert(0, "model.safetensors")
     if missing:
         raise FileNotFoundError(
             f"checkpoint {path!r} lacks {', '.join(missing)}: train one with "
             f"`python train.py --out {path}`, or give the path of an existing one"
         )
-    raw, cfg = read_config(path, **overrides)
+
+
+def tensor_headers(path):
+    """The safetensors headers of the checkpoint (one file, or the shards its index names): per
+    tensor name (without "model."), its shape and (file, name in the file). Floating point only."""
+    index = os.path.join(path, "model.safetensors.index.json")
     weight_map = read_json(path, "model.safetensors.index.json").get("weight_map")
     if os.path.isfile(index) and not (
         isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())
     ):
         raise ValueError(f"{index}: no weight_map (tensor name -> shard file); re-download it")
-    eos_ids, chat_template, special_tokens, tokenizer = side_files(path, raw, cfg)
-    # read every header first: names and shapes are checked before any data is loaded
     shapes, where = {}, {}
     for fname in sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]:
         try:
@@ -422,14 +444,18 @@ def load(path, device="cpu", dtype=None, **overrides):
                 f"{os.path.join(path, fname)} is corrupt or truncated ({e}); re-download or "
                 f"re-train it"
             ) from None
-    with torch.device("meta"), weights_not_drawn():
-        model = Transformer(cfg)
+    return shapes, where
+
+
+def check_tensors(path, model, shapes, where):
+    """The checkpoint's tensors (tensor_headers) are the model's, name for name and shape for shape
+    (a mode without the eviction head reads a NOSA checkpoint too: its head is dropped from where)."""
+    cfg = model.cfg
     want = {
         k: tuple(v.shape)
         for k, v in model.state_dict().items()
         if not (cfg.tie_embeddings and k == "lm_head.weight")
     }
-    # a mode without the eviction head reads a NOSA checkpoint too
     if cfg.attn in ("full", "infllmv2"):
         for key in [k for k in shapes if k.endswith((".self_attn.A", ".self_attn.delta.weight"))]:
             del shapes[key], where[key]
@@ -454,8 +480,12 @@ def load(path, device="cpu", dtype=None, **overrides):
         raise ValueError(
             f"checkpoint {path!r}: {bad[0]} has shape {shapes[bad[0]]}, the config needs {want[bad[0]]}"
         )
+
+
+def read_tensors(path, where, device, dtype):
+    """The state dict, one tensor at a time straight to its device (in dtype, else its own); a NaN or
+    an infinity is an error."""
     sd = {}
-    # one tensor at a time, straight to its device
     for fname in sorted({f for f, _ in where.values()}):
         with safe_open(os.path.join(path, fname), framework="pt", device="cpu") as f:
             for key, (fn, name) in where.items():
@@ -467,15 +497,7 @@ def load(path, device="cpu", dtype=None, **overrides):
                             f"checkpoint {path!r}: {name} holds NaN or infinite values; the checkpoint "
                             f"is damaged (a diverged run?): re-download or re-train it"
                         )
-    model.load_state_dict(sd, strict=False, assign=True)
-    if cfg.tie_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    model.eos_ids, model.chat_template, model.special_tokens = (
-        eos_ids,
-        chat_template,
-        special_tokens,
-    )
-    return model.eval(), tokenizer
+    return sd
 
 
 def read_config(path, **overrides):
