@@ -303,7 +303,6 @@ def train_steps(o, job, step):
     """The loop from `step`: a step, a log line every log_every steps, validation and a checkpoint
     every eval_every; Ctrl-C says where the last checkpoint is. Returns (step, last validation
     loss)."""
-    model, raw, opt, device, world = job.model, job.raw, job.opt, job.device, job.world
     master = job.rank == 0
     t0 = t_last = time.time()
     logged = step  # the step of the last log line
@@ -313,44 +312,12 @@ def train_steps(o, job, step):
     try:
         while step < stop_at:
             warm = step < o.head_warmup  # the head alone, by distillation
-            for g in opt.param_groups:
-                g["lr"] = stage_lr(step, o) * g.get("lr_mult", 1.0)
-            x, y, w = get_batch(
-                job.train_data,
-                o.batch_size,
-                o.seq_len,
-                seed=o.seed,
-                step=step,
-                rank=job.rank,
-                device=device,
-                tasks=o.tasks,
-                tok=job.tok,
-                answer_weight=o.answer_weight,
-            )
-            if job.teacher:
-                job.teacher.queries(o.seq_len, o.seed, step, job.rank, device)
-            with torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"):
-                if warm:  # the forward only feeds the teacher's hooks
-                    with torch.no_grad():
-                        raw(x)
-                else:
-                    logits = model(x)
-            head_loss = job.teacher.loss() if job.teacher else None
-            if warm:
-                loss = head_loss
-            else:
-                loss = lm_loss(logits, y, w)
-                if o.head_distill:
-                    loss = loss + o.head_distill * head_loss
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if warm:
-                distill.average_gradients(raw, world)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
-            opt.step()
+            loss, head_loss = one_step(o, job, step, warm)
             step += 1
             if master and (step % o.log_every == 0 or step == o.steps):
-                tps = (step - logged) * o.batch_size * world * o.seq_len / (time.time() - t_last)
+                tps = (
+                    (step - logged) * o.batch_size * job.world * o.seq_len / (time.time() - t_last)
+                )
                 t_last, logged = time.time(), step
                 left = (time.time() - t0) / (step - start) * (o.steps - step)
                 what = "head distillation loss" if warm else "loss"
@@ -363,40 +330,7 @@ def train_steps(o, job, step):
                     flush=True,
                 )
             if (master or o.fsdp) and (step % o.eval_every == 0 or step == stop_at):
-                # under FSDP every process takes part: the forward and the gathering are collective
-                val_loss = evaluate(raw, job.val_data, o.batch_size, o.seq_len, device)
-                whole, whole_opt = fsdp.gathered(raw, opt) if o.fsdp else (raw, opt)
-                if not master:
-                    continue  # (the rest of the loop is the first process's)
-                # how far they moved from their start at 0
-                gates = (
-                    ""
-                    if not job.evict
-                    else " | eviction gates A per layer: "
-                    + " | ".join(
-                        " ".join(f"{a:+.2f}" for a in layer.self_attn.A.tolist())
-                        for layer in whole.layers
-                    )
-                )
-                print(f"step {step} | val loss {val_loss:.3f}{gates}", flush=True)
-                state = dict(
-                    step=step,
-                    steps=o.steps,
-                    val_loss=val_loss,
-                    attn=o.attn,
-                    **job.run,
-                    data=o.data or "stdlib",
-                    train_tokens=len(job.train_data),
-                    init_from=o.init_from,
-                )
-                checkpoint.save(
-                    whole,
-                    job.tok,
-                    o.out,
-                    dtype=torch.bfloat16 if o.save_bf16 else None,
-                    optimizer=whole_opt,
-                    train_state=state,
-                )
+                val_loss = validate_and_save(o, job, step)
                 saved = step
     except KeyboardInterrupt:  # Ctrl-C: say where the run can be continued from
         where = (
@@ -406,6 +340,87 @@ def train_steps(o, job, step):
         )
         raise KeyboardInterrupt(f"training stopped at step {step}; {where}") from None
     return step, val_loss
+
+
+def one_step(o, job, step, warm):
+    """One optimizer step at `step`: the language-model loss (with the head's distillation beside
+    it where asked), or while warm the head's distillation alone. Returns (loss, head loss)."""
+    model, raw, opt, device = job.model, job.raw, job.opt, job.device
+    for g in opt.param_groups:
+        g["lr"] = stage_lr(step, o) * g.get("lr_mult", 1.0)
+    x, y, w = get_batch(
+        job.train_data,
+        o.batch_size,
+        o.seq_len,
+        seed=o.seed,
+        step=step,
+        rank=job.rank,
+        device=device,
+        tasks=o.tasks,
+        tok=job.tok,
+        answer_weight=o.answer_weight,
+    )
+    if job.teacher:
+        job.teacher.queries(o.seq_len, o.seed, step, job.rank, device)
+    with torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"):
+        if warm:  # the forward only feeds the teacher's hooks
+            with torch.no_grad():
+                raw(x)
+        else:
+            logits = model(x)
+    head_loss = job.teacher.loss() if job.teacher else None
+    if warm:
+        loss = head_loss
+    else:
+        loss = lm_loss(logits, y, w)
+        if o.head_distill:
+            loss = loss + o.head_distill * head_loss
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if warm:
+        distill.average_gradients(raw, job.world)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+    opt.step()
+    return loss, head_loss
+
+
+def validate_and_save(o, job, step):
+    """The validation loss at `step`, and the checkpoint (the first process writes it; under FSDP
+    every process takes part in the forward and the gathering, which are collective). Returns the
+    validation loss."""
+    val_loss = evaluate(job.raw, job.val_data, o.batch_size, o.seq_len, job.device)
+    whole, whole_opt = fsdp.gathered(job.raw, job.opt) if o.fsdp else (job.raw, job.opt)
+    if job.rank != 0:
+        return val_loss
+    # how far the gates moved from their start at 0
+    gates = (
+        ""
+        if not job.evict
+        else " | eviction gates A per layer: "
+        + " | ".join(
+            " ".join(f"{a:+.2f}" for a in layer.self_attn.A.tolist()) for layer in whole.layers
+        )
+    )
+    print(f"step {step} | val loss {val_loss:.3f}{gates}", flush=True)
+    state = dict(
+        step=step,
+        steps=o.steps,
+        val_loss=val_loss,
+        attn=o.attn,
+        **job.run,
+        data=o.data or "stdlib",
+        train_tokens=len(job.train_data),
+        init_from=o.init_from,
+    )
+    checkpoint.save(
+        whole,
+        job.tok,
+        o.out,
+        dtype=torch.bfloat16 if o.save_bf16 else None,
+        optimizer=whole_opt,
+        train_state=state,
+    )
+    return val_loss
 
 
 def cli(argv=None):
