@@ -1,4 +1,5 @@
 import os
+import sysconfig
 
 import pytest
 import torch
@@ -91,3 +92,21 @@ def decode_logits(model, idx, prompt_lens, cache=None, graphed=False, micro_batc
             for i in range(len(prompt_lens)):
                 out[i].append(logits[i])
     return [torch.stack(o) for o in out]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A few standard-library modules as a small corpus (test_train, test_data)."""
+    d = tmp_path_factory.mktemp("corpus")
+    for name in (
+        "argparse.py",
+        "textwrap.py",
+        "shlex.py",
+        "fnmatch.py",
+        "glob.py",
+        "string.py",
+        "bisect.py",
+    ):
+        with open(os.path.join(sysconfig.get_paths()["stdlib"], name)) as f:
+            (d / name).write_text(f.read())
+    return str(d)
