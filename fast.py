@@ -112,7 +112,7 @@ class GraphedDecode:
         # multiprocessors first (priority -1 for the first of two, 0 for the second)
         top = torch.cuda.Stream.priority_range()[1]  # the highest (most negative)
         streams = [torch.cuda.Stream(priority=max(top, i + 1 - n)) for i in range(n)]
-        toks = tok.tensor_split(len(self.parts))
+        toks = tok.tensor_split(n)
         steps = [decode_layers(self.model, t, p) for t, p in zip(toks, self.parts)]
         for s in streams:
             s.wait_stream(main)
