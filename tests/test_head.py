@@ -15,7 +15,7 @@ import pooling
 import train
 from config import Config
 from model import Transformer
-from tests.test_train import corpus, run, small  # noqa: F401 (corpus: a fixture)
+from tests.test_train import run, small
 
 cfg = Config.from_preset(
     "tiny", B=8, l_c=4, s_c=2, n_sink=1, n_win=2, k=8, k_q=2, H_q=4, H_kv=2, head_dim=16
