@@ -30,6 +30,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from prefill import prefill_passes
@@ -203,6 +204,29 @@ class Budget:
         if not self.predicted:
             return None
         return sum(self.beside[-len(self.predicted) :]) / sum(self.predicted)
+
+    def fit(self):
+        """Where the steps beside the prefill went over the model: a least-squares fit of what each
+        turn added to its step alone against the passes it waited for, added = fixed + per_pass * n
+        (the model has no fixed term: at a steady n it folds one into per, so a fixed cost only
+        costs speed where it leaves no room for a pass; fixed and per_pass are None while every
+        turn waited for the same count), and the share of turns at one pass, the least a turn
+        takes, and of those beyond the stall. None before a turn beside the prefill."""
+        if not self.beside or self.alone is None:
+            return None
+        alone = np.array([a if a is not None else self.alone for a in self.alone_at])
+        n, dt = np.array(self.waited, dtype=float), np.array(self.beside)
+        fixed = per_pass = None
+        if len(set(self.waited)) > 1:
+            per_pass, fixed = (float(x) for x in np.polyfit(n, dt - alone, 1))
+        one = n == 1
+        over = dt > self.stall * alone
+        return dict(
+            fixed=fixed,
+            per_pass=per_pass,
+            at_one_pass=float(one.mean()),
+            one_pass_over_stall=float(over[one].mean()) if one.any() else 0.0,
+        )
 
     def summary(self):
         """One line: the passes a step waited for, and a step beside the prefill against alone."""

@@ -154,6 +154,12 @@ def served_at_rate(serve_, reqs, n_layer, max_stall):
     row["speed_kept"] = round(alone / beside, 3)
     off = step_budget.off_prediction()
     row["beside_over_predicted"] = round(off, 3) if off else None
+    fit = step_budget.fit() or {}  # what a turn beside the prefill added: fixed + per pass
+    ms = lambda x: None if x is None else round(1e3 * x, 2)
+    row.update(added_fixed_ms=ms(fit.get("fixed")), added_per_pass_ms=ms(fit.get("per_pass")))
+    row.update(model_per_pass_ms=ms(step_budget.per))
+    row.update(turns_at_one_pass=round(fit.get("at_one_pass", 0.0), 3))
+    row.update(one_pass_over_stall=round(fit.get("one_pass_over_stall", 0.0), 3))
     row["total_s"] = seconds(total)
     row["gpu_peak_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None
     row["host_peak_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1)

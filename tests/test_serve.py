@@ -399,3 +399,28 @@ def test_the_stall_budget_times_a_step_alone_of_as_many_sequences_as_decode():
     assert a / beside >= 0.5  # each against its own step alone: within the stall
     assert b.off_prediction() == pytest.approx(1.0, abs=0.05)  # the model predicted these steps
     assert "the time the budget predicted" in b.summary()
+
+
+def test_the_stall_budget_splits_what_a_turn_added_into_a_fixed_cost_and_one_per_pass():
+    """Turns that add 3 ms whatever they wait for and 1 ms a pass, against a 10 ms step alone: the
+    fit finds both, where the budget's own model (no fixed term) sees a dearer pass and still
+    settles within the stall. A fixed cost beyond the room (12 ms) leaves every turn at one pass,
+    over the stall: then the speed kept falls below half, and the fit says where the turns sat."""
+    rnd = random.Random(1)
+    for fixed, kept_half in ((0.003, True), (0.012, False)):
+        b = serve.Budget(n_layer=32, stall=2.0)
+        b.turn(0.010, 0)
+        for _ in range(300):
+            n = b.passes(None, running={0: None})
+            b.turn(0.010 + (fixed + 0.001 * n if n else 0) + 0.0001 * rnd.gauss(0, 1), n)
+        fit = b.fit()
+        alone, beside = b.kept()
+        assert (alone / beside >= 0.5) == kept_half, fixed
+        if kept_half:
+            assert fit["fixed"] == pytest.approx(0.003, abs=3e-4)
+            assert fit["per_pass"] == pytest.approx(0.001, abs=1e-4)
+            assert b.per > 0.0013 and fit["at_one_pass"] < 0.05  # the model: a dearer pass
+        else:
+            assert fit["fixed"] is None and fit["per_pass"] is None  # one count only
+            assert fit["at_one_pass"] == 1.0 and fit["one_pass_over_stall"] == 1.0
+    assert serve.Budget(32).fit() is None
