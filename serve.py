@@ -246,13 +246,16 @@ class Budget:
 
 @torch.no_grad()
 def serve(model, requests, cache, pick, *, eos_ids=(), chunk=None, on_host=False, decode=None,
-          budget=None, on_done=None):  # fmt: skip
+          budget=None, on_done=None, timings=None):  # fmt: skip
     """Serve `requests` (Request) over the cache's sequences, in order of arrival (each admitted no
     sooner than its arrival); returns them answered. pick(logits (n, vocab)) -> (n,) tokens: the
     sampling. chunk, on_host: the prefill's (memory.plan_memory). decode(tok (Bz,)) -> logits (Bz,
     vocab): the step (default model.decode; the scripts give fast.GraphedDecode). budget: a Budget,
     the prefill's chunks a decode step waits for (default: a stall of at most 2x, measured).
-    on_done(request) as each ends."""
+    on_done(request) as each ends. timings: a dict that gets the seconds of each part of the loop
+    outside the GPU's work, a list per part: "admit" (a prompt's prefill set up), "launch" (the
+    passes beside a step launched), "start" (a sequence starts decoding), "end", and "turn" (a
+    step and its passes, launched and waited for)."""
     dev, Bz = cache.len.device, len(cache.len)
     if not all(r.ids and r.max_new_tokens >= 1 for r in requests):
         raise ValueError("every request needs a prompt of a token or more and max_new_tokens >= 1")
@@ -276,12 +279,18 @@ def serve(model, requests, cache, pick, *, eos_ids=(), chunk=None, on_host=False
         t0 = time.perf_counter()
         launched = 0  # passes launched beside the last step (a step on a GPU waits for them)
 
+        def timed(part, since):
+            if timings is not None:
+                timings.setdefault(part, []).append(time.perf_counter() - since)
+
         def end(seq, req):  # the sequence has its last token
+            t_end = time.perf_counter()
             req.t_end = req.t_tokens[-1] - req.arrival
             del running[seq]
             Parked(cache, seq)
             if on_done:
                 on_done(req)
+            timed("end", t_end)
 
         while waiting or running or pre:
             now = time.perf_counter() - t0
@@ -289,22 +298,26 @@ def serve(model, requests, cache, pick, *, eos_ids=(), chunk=None, on_host=False
                 time.sleep(waiting[0].arrival - now)
                 now = waiting[0].arrival
             if pre is None and waiting and waiting[0].arrival <= now and len(running) < Bz:
+                t_admit = time.perf_counter()
                 seq = min(set(range(Bz)) - set(running))  # 1. admit
                 req = waiting.popleft()
                 c = budget.chunk(chunk or len(req.ids), len(req.ids))
                 pre = Prefill(model, req, seq, cache, prefill_stream, c, on_host)
+                timed("admit", t_admit)
             if running:  # 2. a decode step
                 t_turn = time.perf_counter()
                 nxt = pick(decode(tok))
             n = 0
             if pre:  # 3. the prefill's next passes
-                n = budget.passes(pre, running)
+                n, t_launch = budget.passes(pre, running), time.perf_counter()
                 if ran := pre.launch(n):
                     decode_stream.wait_event(ran)  # the next step after them
+                timed("launch", t_launch)
             if running:  # 4. the step's tokens
                 tok, new = nxt, nxt.tolist()
                 t = time.perf_counter() - t0  # the step waited for passes (a CPU's ran after it)
                 budget.turn(t0 + t - t_turn, launched if cuda else n, live=len(running))
+                timed("turn", t_turn)
                 for seq, req in list(running.items()):
                     req.out.append(new[seq])
                     req.t_tokens.append(t)
@@ -312,6 +325,7 @@ def serve(model, requests, cache, pick, *, eos_ids=(), chunk=None, on_host=False
                         end(seq, req)
             launched = n
             if pre and pre.done():  # 5. a sequence starts
+                t_start = time.perf_counter()
                 budget.ended()
                 pre.parked.start()
                 if cuda:
@@ -324,6 +338,7 @@ def serve(model, requests, cache, pick, *, eos_ids=(), chunk=None, on_host=False
                 if req.out[0] in eos or req.max_new_tokens == 1:
                     end(pre.seq, req)
                 pre = None
+                timed("start", t_start)
         if cuda:
             torch.cuda.current_stream().synchronize()
     return requests

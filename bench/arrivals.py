@@ -95,9 +95,9 @@ def bench_arrivals(
             cfg, Bz, dev, dtype, max_len, offload=use_offload, host_budget=host
         )
         decode = GraphedDecode(model, cache, 2 if use_offload and Bz >= 16 else 1)
-        serve_ = lambda reqs, budget=None: serve.serve(
+        serve_ = lambda reqs, budget=None, timings=None: serve.serve(
             model, reqs, cache, lambda logits: logits.argmax(-1), chunk=chunk, on_host=on_host,
-            decode=decode, budget=budget,
+            decode=decode, budget=budget, timings=timings,
         )  # fmt: skip
         c = chunk or 64  # compiles what the timed runs launch: chunks whole and ragged (dynamic)
         serve_(
@@ -114,7 +114,7 @@ def bench_arrivals(
                 lengths=lengths,
             )  # fmt: skip
             row = dict(system=label, rate=rate, batch=Bz, requests=requests)
-            rows.append(row | served_at_rate(serve_, reqs, cfg.n_layer, max_stall))
+            rows.append(row | served_at_rate(serve_, reqs, cfg.n_layer, max_stall, tbt_target))
             print(rows[-1], flush=True)
             if rows[-1]["tbt_p99_s"] > tbt_target or rows[-1]["ttft_median_s"] > ttft_target:
                 break  # a higher rate only waits longer: the sweep stops at the first miss
@@ -134,15 +134,18 @@ def bench_arrivals(
     return dict(runs=rows, capacity=capacity)
 
 
-def served_at_rate(serve_, reqs, n_layer, max_stall):
+def served_at_rate(serve_, reqs, n_layer, max_stall, tbt_target=0.2):
     """One run of arriving requests: the spreads of times to first token and between tokens, output
-    tokens/s, a step alone and beside a prefill (the speed it keeps), the GPU and host peaks."""
+    tokens/s, a step alone and beside a prefill (the speed it keeps), where the longest gaps between
+    tokens come from (the slowest of each part of serving's loop, serve.serve's timings, and the
+    turns over the target), the GPU and host peaks."""
     cuda = torch.cuda.is_available()
     step_budget = serve.Budget(n_layer, stall=max_stall)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    serve_(reqs, step_budget)
+    timings = {}
+    serve_(reqs, step_budget, timings)
     total = time.perf_counter() - t0
     ttft = spread([r.t_first for r in reqs])
     tbt = spread([g for r in reqs for g in r.gaps()] or [0.0])
@@ -160,6 +163,15 @@ def served_at_rate(serve_, reqs, n_layer, max_stall):
     row.update(model_per_pass_ms=ms(step_budget.per))
     row.update(turns_at_one_pass=round(fit.get("at_one_pass", 0.0), 3))
     row.update(one_pass_over_stall=round(fit.get("one_pass_over_stall", 0.0), 3))
+    for part in (
+        "admit",
+        "launch",
+        "start",
+        "end",
+        "turn",
+    ):  # a gap is a turn and what came between
+        row[f"{part}_max_ms"] = ms(max(timings.get(part, [0.0])))
+    row["turns_over_tbt"] = sum(dt > tbt_target for dt in timings.get("turn", []))
     row["total_s"] = seconds(total)
     row["gpu_peak_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None
     row["host_peak_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1)

@@ -234,15 +234,19 @@ def test_requests_that_cannot_be_served_are_one_line(embedded):
 def test_requests_arriving_over_time(embedded):
     """Requests that arrive apart: none is admitted before its arrival (its first token comes
     after it), time to first token counts from the arrival, an idle server waits for the next, and
-    each gets the tokens it gets alone."""
+    each gets the tokens it gets alone; the loop's parts are timed, each as often as it ran."""
     model, text = embedded
     ids, news = prompts(text, [200, 40, 300]), [6, 9, 4]
     alone = [generate.generate(model, [p], n)[0] for p, n in zip(ids, news)]
     arrivals = [0.3, 0.0, 1.5]  # the last comes when the others are done: the server idles
     reqs = [serve.Request(p, n, arrival=a) for p, n, a in zip(ids, news, arrivals)]
     cache = KVCache(model.cfg, 2, "cpu", torch.float32, 320)
-    serve.serve(model, reqs, cache, lambda x: x.argmax(-1))
+    timings = {}
+    serve.serve(model, reqs, cache, lambda x: x.argmax(-1), timings=timings)
     assert [r.out for r in reqs] == alone
+    assert [len(timings[p]) for p in ("admit", "start", "end")] == [3, 3, 3]
+    # a turn per step of the running sequences: each token after a sequence's first came from one
+    assert len(timings["turn"]) >= max(news) - 1 and min(min(t) for t in timings.values()) >= 0
     for r in reqs:
         assert r.t_tokens[0] >= r.arrival and r.t_first == r.t_tokens[0] - r.arrival
         assert len(r.gaps()) == len(r.out) - 1 and min(r.gaps()) >= 0
@@ -376,6 +380,9 @@ def test_arriving_workload_and_its_bench_small():
         assert r["batch"] >= 1 and r["output_tokens_s"] > 0
         assert r["ttft_median_s"] <= r["ttft_p90_s"] <= r["ttft_p99_s"] <= r["ttft_max_s"]
         assert r["tbt_median_s"] <= r["tbt_p90_s"] <= r["tbt_p99_s"] <= r["tbt_max_s"]
+        # no gap between tokens is longer than a turn and the parts of the loop between two turns
+        parts = sum(r[f"{p}_max_ms"] for p in ("admit", "launch", "start", "end", "turn"))
+        assert 0 < r["turn_max_ms"] and 1e3 * r["tbt_max_s"] <= parts * 1.05 + 1
     assert {c["system"] for c in tables["capacity"]} == {"nosa + offload", "full, resident cache"}
 
 
