@@ -8,6 +8,7 @@ capacity: the largest rate whose p99 time between tokens and median time to firs
 within the targets; the rates run in ascending order, and a system's sweep stops at its first miss
 (a higher rate only queues longer)."""
 
+import contextlib
 import resource
 import statistics
 import time
@@ -145,7 +146,8 @@ def served_at_rate(serve_, reqs, n_layer, max_stall, tbt_target=0.2):
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     timings = {}
-    serve_(reqs, step_budget, timings)
+    with compiles() as compiled:
+        serve_(reqs, step_budget, timings)
     total = time.perf_counter() - t0
     ttft = spread([r.t_first for r in reqs])
     tbt = spread([g for r in reqs for g in r.gaps()] or [0.0])
@@ -172,10 +174,39 @@ def served_at_rate(serve_, reqs, n_layer, max_stall, tbt_target=0.2):
     ):  # a gap is a turn and what came between
         row[f"{part}_max_ms"] = ms(max(timings.get(part, [0.0])))
     row["turns_over_tbt"] = sum(dt > tbt_target for dt in timings.get("turn", []))
+    row["launches_over_tbt"] = sum(dt > tbt_target for dt in timings.get("launch", []))
+    row["compiles"] = len(compiled)  # the warm-up should have left none
+    for what in compiled:
+        print(f"compiled while serving: {what}", flush=True)
     row["total_s"] = seconds(total)
     row["gpu_peak_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None
     row["host_peak_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1)
     return row
+
+
+@contextlib.contextmanager
+def compiles():
+    """What was compiled inside the block: a list, one line per torch.compile graph (Dynamo's count
+    of graphs made) and per Triton kernel specialization (its JIT cache missed: a compile, or a read
+    from the disk cache)."""
+    from torch._dynamo.utils import counters
+
+    out, graphs = [], counters["stats"]["unique_graphs"]
+    runtime = getattr(getattr(__import__("triton"), "knobs", None), "runtime", None)
+    hook = getattr(runtime, "jit_cache_hook", None) if runtime else None
+
+    def missed(*_, **kw):  # called before Triton compiles a specialization; None: go on
+        out.append(f"triton {kw.get('repr', '?')}")
+        return hook(*_, **kw) if hook else None
+
+    if runtime is not None:
+        runtime.jit_cache_hook = missed
+    try:
+        yield out
+    finally:
+        if runtime is not None:
+            runtime.jit_cache_hook = hook
+        out.extend(["torch.compile graph"] * (counters["stats"]["unique_graphs"] - graphs))
 
 
 def flags(p):
