@@ -99,7 +99,8 @@ def _scores(q, kb, C, c_row, tok, S, scale2, HAS_BIAS: tl.constexpr):
     return s
 
 
-@triton.jit
+# the lengths are not specialized on: one compile serves prompts of every length (serving)
+@triton.jit(do_not_specialize=["T", "S", "U", "C_B", "C_H"])
 def _sparse_fwd(
     Q,
     KD,

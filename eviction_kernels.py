@@ -37,7 +37,8 @@ def _block_score(CS, r, M, b, i, R_SUB: tl.constexpr, P_OVER: tl.constexpr):
     return tl.max(tl.load(CS + r * M + m, mask=ok, other=float("-inf")), 1)
 
 
-@triton.jit
+# the lengths are not specialized on: one compile serves prompts of every length (serving)
+@triton.jit(do_not_specialize=["M", "b0", "first", "last"])
 def _e_lists_by_block_kernel(
     CS,
     IDS,

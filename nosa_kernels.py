@@ -199,7 +199,8 @@ def _select_step_kernel(
         tl.store(OUT + r * nb + ids, tl.full([NLP], 1, tl.int8), mask=pick)
 
 
-@triton.jit
+# the lengths are not specialized on: one compile serves prompts of every length (serving)
+@triton.jit(do_not_specialize=["T", "nb", "first", "NQB", "U"])
 def _select_tiles_kernel(
     QS,
     IDS,

@@ -22,7 +22,8 @@ import triton.language as tl
 from common import gp, tma_descriptor
 
 
-@triton.jit
+# the lengths are not specialized on: one compile serves prompts of every length (serving)
+@triton.jit(do_not_specialize=["T", "M", "NB"])
 def _qscore_kernel(
     Q,
     KD,

@@ -100,11 +100,15 @@ def bench_arrivals(
             model, reqs, cache, lambda logits: logits.argmax(-1), chunk=chunk, on_host=on_host,
             decode=decode, budget=budget, timings=timings,
         )  # fmt: skip
-        c = chunk or 64  # compiles what the timed runs launch: chunks whole and ragged (dynamic)
+        # compiles what the timed runs launch: chunks whole, ragged (dynamic shapes) and of one
+        # token (the decode path's kernels), and the longest prompt, whose growing lists of blocks
+        # pass through every power-of-two tile count the others need (the lengths themselves are
+        # not specialized on: the kernels' do_not_specialize)
+        c = chunk or 64
         serve_(
             [
                 serve.Request(list(range(1, n + 1)), 4)
-                for n in (64, c + 37, c // 2 + 5)
+                for n in (64, c + 37, c // 2 + 5, c + 1, P_max)
                 if n + 4 <= max_len
             ]
         )
