@@ -458,3 +458,78 @@ def test_chunked_prefill_through_the_kernels(attn):
             fast.compile_model(model, prefill=True)
             got = prefill(model, idx, KVCache(model.cfg, 1, DEV, dtype), 0, 48)
             assert rel_err(got, ref) < tol, rel_err(got, ref)
+
+
+def launched_variants(run):
+    """The Triton kernel variants run() launches that were not launched before in this process: on a
+    GPU the JIT cache's misses; in the interpreter each launch keyed as a GPU's cache would key it
+    (an integer argument 1, divisible by 16 or neither, unless do_not_specialize; constexprs by
+    value; tensors by dtype)."""
+    import inspect
+
+    import triton
+
+    if DEV == "cuda":
+        runtime, missed = triton.knobs.runtime, []
+        before, runtime.jit_cache_hook = (
+            runtime.jit_cache_hook,
+            lambda **kw: missed.append(kw["repr"]),
+        )
+        try:
+            run()
+        finally:
+            runtime.jit_cache_hook = before
+        return missed
+    from triton.runtime.interpreter import InterpretedFunction
+
+    def key(fn, args, kw, fixed):
+        params = inspect.signature(fn.fn).parameters
+        out = [fn.fn.__name__]
+        for name, v in (dict(zip(params, args)) | kw).items():
+            if "constexpr" in str(params[name].annotation) if name in params else True:
+                out.append((name, v))
+            elif isinstance(v, int) and not isinstance(v, bool) and name not in fixed:
+                out.append((name, 1 if v == 1 else v % 16 == 0))
+            elif isinstance(v, torch.Tensor):
+                out.append((name, v.dtype))
+        return tuple(out)
+
+    seen = launched_variants.seen = getattr(launched_variants, "seen", set())
+    new, plain = [], InterpretedFunction.run
+
+    def run_keyed(self, *args, grid, warmup, **kw):
+        k = key(self, args, kw, set(self.kwargs.get("do_not_specialize") or ()))
+        if k not in seen:
+            seen.add(k)
+            new.append(k[0])
+        return plain(self, *args, grid=grid, warmup=warmup, **kw)
+
+    InterpretedFunction.run = run_keyed
+    try:
+        run()
+    finally:
+        InterpretedFunction.run = plain
+    return new
+
+
+def test_a_prompt_of_a_new_length_compiles_nothing_new():
+    """Serving meets prompts of every length: after one prefill in chunks, prompts of other lengths
+    (divisible by 16 or not, their block counts too, the same power-of-two tile counts) launch no
+    kernel variant the first did not, so no compile stalls a decode step beside them."""
+    from kvcache import KVCache
+    from prefill import prefill
+    from tests.conftest import make_model, small
+
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
+    kw = dict(small, n_layer=1, B=16, l_c=8, s_c=4, n_win=1, k=4)
+    model = make_model("nosa", dtype, **kw).to(DEV)
+    idx = torch.randint(0, 97, (1, 256), device=DEV)
+
+    def fill(T):
+        cache = KVCache(model.cfg, 1, DEV, dtype)
+        return lambda: prefill(model, idx[:, :T], cache, 0, 64)
+
+    with torch.no_grad(), common.kernels(True):
+        launched_variants(fill(256))  # the first prompt compiles (here, or in a test before)
+        for T in (250, 240, 209, 200):  # T, the last chunk and the block count in every class
+            assert launched_variants(fill(T)) == [], T
