@@ -169,13 +169,8 @@ def served_at_rate(serve_, reqs, n_layer, max_stall, tbt_target=0.2):
     row.update(model_per_pass_ms=ms(step_budget.per))
     row.update(turns_at_one_pass=round(fit.get("at_one_pass", 0.0), 3))
     row.update(one_pass_over_stall=round(fit.get("one_pass_over_stall", 0.0), 3))
-    for part in (
-        "admit",
-        "launch",
-        "start",
-        "end",
-        "turn",
-    ):  # a gap is a turn and what came between
+    # a gap between tokens is a turn and the parts of the loop between two turns
+    for part in ("admit", "launch", "start", "end", "turn"):
         row[f"{part}_max_ms"] = ms(max(timings.get(part, [0.0])))
     row["turns_over_tbt"] = sum(dt > tbt_target for dt in timings.get("turn", []))
     row["launches_over_tbt"] = sum(dt > tbt_target for dt in timings.get("launch", []))
@@ -193,23 +188,22 @@ def compiles():
     """What was compiled inside the block: a list, one line per torch.compile graph (Dynamo's count
     of graphs made) and per Triton kernel specialization (its JIT cache missed: a compile, or a read
     from the disk cache)."""
+    import triton
     from torch._dynamo.utils import counters
 
     out, graphs = [], counters["stats"]["unique_graphs"]
-    runtime = getattr(getattr(__import__("triton"), "knobs", None), "runtime", None)
-    hook = getattr(runtime, "jit_cache_hook", None) if runtime else None
+    runtime = triton.knobs.runtime
+    hook = runtime.jit_cache_hook
 
-    def missed(*_, **kw):  # called before Triton compiles a specialization; None: go on
+    def missed(*a, **kw):  # called before Triton compiles a specialization; None: go on
         out.append(f"triton {kw.get('repr', '?')}")
-        return hook(*_, **kw) if hook else None
+        return hook(*a, **kw) if hook else None
 
-    if runtime is not None:
-        runtime.jit_cache_hook = missed
+    runtime.jit_cache_hook = missed
     try:
         yield out
     finally:
-        if runtime is not None:
-            runtime.jit_cache_hook = hook
+        runtime.jit_cache_hook = hook
         out.extend(["torch.compile graph"] * (counters["stats"]["unique_graphs"] - graphs))
 
 

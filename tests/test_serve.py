@@ -387,31 +387,6 @@ def test_arriving_workload_and_its_bench_small():
     assert all(r["compiles"] == 0 for r in tables["runs"])  # the warm-up compiled what serving ran
 
 
-def test_compiles_counts_what_was_compiled_inside_it_and_restores_tritons_hook():
-    """bench arrivals' count of compiles while serving (a compile in a turn is a long gap): a
-    torch.compile graph made inside the block counts once (a second call reuses it), a Triton
-    specialization as its JIT cache calls the hook; a hook set before is called on and restored."""
-    import triton
-
-    from bench.arrivals import compiles
-
-    seen, runtime = [], triton.knobs.runtime
-    before = runtime.jit_cache_hook
-    mine = runtime.jit_cache_hook = lambda *a, **kw: seen.append(kw["repr"])
-    try:
-        f = torch.compile(lambda a: a * 2 + 1, backend="eager")
-        with compiles() as compiled:
-            f(torch.randn(3))
-            f(torch.randn(3))
-            assert (
-                runtime.jit_cache_hook(repr="k[num_warps=4](n: i32)") is None
-            )  # as Triton calls it
-        assert compiled == ["triton k[num_warps=4](n: i32)", "torch.compile graph"]
-        assert seen == ["k[num_warps=4](n: i32)"] and runtime.jit_cache_hook is mine
-    finally:
-        runtime.jit_cache_hook = before
-
-
 def test_the_stall_budget_times_a_step_alone_of_as_many_sequences_as_decode():
     """A step's time grows with the sequences decoding: where their number changes (a request
     admitted or ended), the next step runs alone and is timed, and the speed kept compares each
