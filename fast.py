@@ -7,12 +7,14 @@ What makes decoding and prefill fast without changing a result, applied to a mod
                   layer: for the decode step, and for a prefill's chunks where asked
   GraphedDecode   the whole decode step captured as one CUDA graph and replayed; at large
                   offloaded batches in micro-batches, one's transfers under the other's compute
+  Turns           those micro-batches computing in strict turns, each beside the other's transfers
 """
 
 import weakref
 
 import torch
 
+import offload_kernels
 from model import MLP, Attention, RMSNorm
 
 COMPILED = {}  # one torch.compile of each method, shared by every layer and model
@@ -71,13 +73,17 @@ class GraphedDecode:
 
     micro_batches > 1 (an offloaded cache): the batch in parts (offload.OffloadCache.split, views of
     one cache) decoded on their own CUDA streams inside the one graph, so that one part's gathers
-    (PCIe) overlap the other's compute; the weights are read once per part."""
+    (PCIe) overlap the other's compute; the weights are read once per part. in_turns: the parts'
+    compute in strict turns (Turns), else as the streams' priorities order it."""
 
-    def __init__(self, model, cache, micro_batches=1):
+    def __init__(self, model, cache, micro_batches=1, in_turns=False):
         self.model, self.cache = model, cache
         self.graph, self.warm = None, False
         n = micro_batches
         self.parts = cache.split(n) if n > 1 and cache.Bz >= n else None
+        self.turns = None
+        if self.parts and in_turns and cache.device.type == "cuda":
+            self.turns = Turns(n, model.cfg.n_layer, cache.device)
 
     def step(self, tok):  # the eager step: the whole batch, or its parts one after the other
         if not self.parts:
@@ -114,6 +120,10 @@ class GraphedDecode:
         streams = [torch.cuda.Stream(priority=max(top, i + 1 - n)) for i in range(n)]
         toks = tok.tensor_split(n)
         steps = [decode_layers(self.model, t, p) for t, p in zip(toks, self.parts)]
+        if self.turns:  # recorded into the graph: every replay starts its turns from zero
+            self.turns.count.zero_()
+            for p, part in enumerate(self.parts):
+                part.turn = (self.turns, p)
         for s in streams:
             s.wait_stream(main)
         for _ in range(self.model.cfg.n_layer + 1):
@@ -123,4 +133,40 @@ class GraphedDecode:
                     out.append(next(step))
         for s in streams:
             main.wait_stream(s)
+        for part in self.parts:  # the eager step runs the parts one after the other: no turns
+            part.turn = None
         return torch.cat(out)
+
+
+class Turns:
+    """The micro-batches of a graphed step computing in strict turns, each beside another's gather.
+    Priorities alone (GraphedDecode.side_by_side) only order the thread blocks not yet running, so
+    a part's kernels still slow the one PCIe waits on (docs/LOG.md, 2026-12-06). Here, on the
+    device: once its gather of layer i has arrived, part p waits until part p - 1 has finished its
+    own compute of layer i (seen as its gather of layer i + 1 issued); part 0 until the last part
+    has finished layer i - 1. So the parts compute one at a time, layer by layer, part by part,
+    while PCIe is handed on in the same order.
+
+    count[p] = the layers part p has issued gathers for, zeroed at the start of each replay. No
+    cycle: each wait names a compute that comes earlier in that order. Order only: the same blocks
+    move and the same logits come out (tests/test_turns.py)."""
+
+    def __init__(self, n, n_layer, device):
+        self.n, self.n_layer = n, n_layer
+        self.count = torch.zeros(n, dtype=torch.int32, device=device)
+        offload_kernels.turn_issued(self.count, 0, 1)  # both kernels compiled before any capture
+        offload_kernels.turn_wait(self.count, 0, 1)
+        self.count.zero_()
+
+    def after(self, p, layer):
+        """(q, at_least): part p's compute of `layer` waits until count[q] >= at_least; None: it
+        does not wait (parts 1.. at the last layer: no gather comes after it)."""
+        q, at_least = (self.n - 1, layer + 1) if p == 0 else (p - 1, layer + 2)
+        return (q, at_least) if at_least <= self.n_layer else None
+
+    def issued(self, p, layer):  # on part p's stream, right after its gather of `layer` was issued
+        offload_kernels.turn_issued(self.count, p, layer + 1)
+
+    def wait(self, p, layer):  # on part p's stream, once its gather of `layer` has arrived
+        if w := self.after(p, layer):
+            offload_kernels.turn_wait(self.count, *w)

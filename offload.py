@@ -299,8 +299,8 @@ class OffloadCache(Cache):
         ]
         self.sub = nosa.PooledState(cfg, Bz, device, dtype, max_len)
         self.stats = Stats(L, R, unit, device)
-        # micro-batches (split): views; the stream of their gathers
-        self.part, self.pcie = False, None
+        # micro-batches (split): views; the stream of their gathers; (fast.Turns, p) while recorded in turns
+        self.part, self.pcie, self.turn = False, None, None
 
     def _host_alloc(self, R, cap, dtype):
         cfg = self.cfg
@@ -426,6 +426,8 @@ class OffloadCache(Cache):
             self.pcie.wait_stream(here)
             with torch.cuda.stream(self.pcie):
                 gather_units(host, pool, fetch, beside=True)
+            if self.turn:
+                self.turn[0].issued(self.turn[1], layer)
         s = self.stats  # counted while the gather runs: off the path from selection to PCIe
         count_moves(
             fetch,
@@ -439,6 +441,8 @@ class OffloadCache(Cache):
         )
         if self.pcie is not None:
             here.wait_stream(self.pcie)
+            if self.turn:
+                self.turn[0].wait(self.turn[1], layer)
         return Blocks(c=self.c[layer] if cfg.eviction_head else None, pool=pool, slots=slot_block)
 
     def flush(self, layer):

@@ -8,6 +8,8 @@ The kernels of offload.py, each the twin of a torch function there, and uva_copy
   needed_blocks    a row's selected blocks besides the tail, in order (a prefix sum)
   write_tail       the new token's k, v into the tail slot and its c into the cache
   count_moves      the transfer statistics of a step
+  turn_issued, turn_wait   the micro-batches' turns in a graphed step (fast.Turns): order only, so
+                   their torch twin is nothing at all
 """
 
 import ctypes
@@ -403,3 +405,31 @@ def flush_tails(host, pool, slot_block, block_slot, pos, *, H_kv, B):
     (ext.flush_tails if ext else flush_tails_triton)(
         host, pool, slot_block, block_slot, pos, H_kv=H_kv, B=B
     )
+
+
+# -----------------------------------------------------------------------------
+# Turns of the micro-batches inside one graphed step (fast.Turns). Order only: what a kernel after
+# a wait computes does not depend on the wait, so the eager step (and the CPU) runs neither.
+
+
+@triton.jit(do_not_specialize=["p", "value"])
+def _turn_issued_kernel(COUNT, p, value):
+    tl.atomic_xchg(COUNT + p, value, sem="release")  # every thread the same value: idempotent
+
+
+@triton.jit(do_not_specialize=["q", "at_least"])
+def _turn_wait_kernel(COUNT, q, at_least, POLLS: tl.constexpr):
+    seen, n = tl.load(COUNT + q, volatile=True), 0
+    while (seen < at_least) & (n < POLLS):
+        seen, n = tl.load(COUNT + q, volatile=True), n + 1
+
+
+def turn_issued(count, p, value):
+    """count[p] = value (int32 on the device), once the kernels before it on this stream are done."""
+    _turn_issued_kernel[(1,)](count, p, value, num_warps=1)
+
+
+def turn_wait(count, q, at_least, polls=2**16):
+    """Hold this stream until count[q] >= at_least, or for `polls` reads of it (a few tens of ms on a
+    GPU): a schedule that went wrong costs time, never a hang."""
+    _turn_wait_kernel[(1,)](count, q, at_least, POLLS=polls, num_warps=1)

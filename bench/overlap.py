@@ -15,6 +15,7 @@ import bench
 import fast
 import memory
 import offload
+import offload_kernels
 from bench import SHAPES
 from bench.throughput import fill_random
 from config import Config
@@ -34,14 +35,18 @@ def union(spans):
 def split_timeline(kernels, gathers_a_step):
     """kernels: (name, start, end) of the device's kernels over a few steps, in µs, gathers_a_step
     of them gathers (layers x micro-batches) -> per step, in ms: the step (from one step's last
-    gather's end to the next's), the time a gather runs, the time anything else runs, both at once,
-    neither (idle), and no gather (PCIe waits). The first step is left out: a trace starts late."""
+    gather's end to the next's), the time a gather runs, the time anything else runs (a wait for a
+    turn is not), both at once, neither (idle), and no gather (PCIe waits). The first step is left
+    out: a trace starts late."""
     ends = sorted(b for name, a, b in kernels if "gather_units" in name)
     steps = len(ends) // gathers_a_step - 1
     lo, hi = ends[gathers_a_step - 1], ends[(steps + 1) * gathers_a_step - 1]
     clip = lambda spans: [(max(a, lo), min(b, hi)) for a, b in spans if b > lo and a < hi]
     gather = clip([(a, b) for name, a, b in kernels if "gather_units" in name])
-    rest = clip([(a, b) for name, a, b in kernels if "gather_units" not in name])
+    rest = [
+        (a, b) for name, a, b in kernels if "gather_units" not in name and "turn_wait" not in name
+    ]
+    rest = clip(rest)  # (a part waiting its turn, fast.Turns, spins on one multiprocessor: idle)
     ug, ur, both = union(gather), union(rest), union(gather + rest)
     ms = lambda us: round(us / steps / 1e3, 2)
     return dict(
@@ -83,13 +88,31 @@ def traced(step, tok, steps):
     return tok, [(e["name"], e["ts"], e["ts"] + e["dur"]) for e in kernels]
 
 
-def bench_overlap(shape="8b", prompt_len=131072, *, batch=26, micro_batches=(1, 2), steps=24):
+@contextlib.contextmanager
+def beside_ctas(n):
+    """The gather beside a micro-batch's compute on n thread blocks (None: as landed)."""
+    real = offload_kernels.gather_ctas
+    if n:
+        offload_kernels.gather_ctas = lambda unit, beside=False: n if beside else real(unit)
+    try:
+        yield
+    finally:
+        offload_kernels.gather_ctas = real
+
+
+def bench_overlap(
+    shape="8b", prompt_len=131072, *, batch=26, micro_batches=(1, 2), ctas=(0,), steps=24
+):
     """The graphed decode step of `batch` random prompts of prompt_len (random weights, an offloaded
     cache in the host memory there is) with each number of micro-batches, with and without its
-    gathers: ms a step (the mean of `steps` replays), and with them the split of a trace of 4 more."""
+    gathers, and with more than one also in turns (fast.Turns) on each number of the gather's thread
+    blocks in ctas (0: as landed): ms a step (the mean of `steps` replays), and with gathers the
+    split of a trace of 4 more."""
     bench.need_gpu("overlap")
     preset, over = SHAPES[shape]
-    max_len = prompt_len + 4 * steps + 64
+    runs = [(mb, False, on, 0) for mb in micro_batches for on in (True, False)]
+    runs += [(mb, True, True, n) for mb in micro_batches if mb > 1 for n in ctas]
+    max_len = prompt_len + (steps + 8) * len(runs) + 64
     cfg = Config.from_preset(preset, **over, attn="nosa", max_seq_len=max_len)
     torch.manual_seed(0)
     model = random_model(cfg, "cuda", torch.bfloat16)
@@ -104,25 +127,25 @@ def bench_overlap(shape="8b", prompt_len=131072, *, batch=26, micro_batches=(1, 
         fill_random(cache, cfg, batch, prompt_len, "cuda", torch.bfloat16)
         for _ in range(2):  # the first steps after the prefill gather whole selections
             tok = step(lambda t: model.decode(t, cache))(tok)
-        for mb in micro_batches:
-            for on in (True, False):
-                with gathers(on):
-                    decode = step(fast.GraphedDecode(model, cache, mb))
-                    for _ in range(4):  # eager, capture, replays
-                        tok = decode(tok)
-                    torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    for _ in range(steps):
-                        tok = decode(tok)
-                    torch.cuda.synchronize()
-                    ms = (time.perf_counter() - t0) * 1e3 / steps
-                    tok, kernels = traced(decode, tok, 4)
-                row = dict(micro_batches=mb, gathers=on, step_ms=round(ms, 2))
-                split = {} if not on else split_timeline(kernels, cfg.n_layer * mb)
-                row.update({f"traced_{k}": v for k, v in split.items()})
-                row.update(tokens_s=round(batch / ms * 1e3, 1))
-                print(row, flush=True)
-                rows.append(row)
+        for mb, in_turns, on, n in runs:
+            with gathers(on), beside_ctas(n):
+                decode = step(fast.GraphedDecode(model, cache, mb, in_turns))
+                for _ in range(4):  # eager, capture, replays
+                    tok = decode(tok)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    tok = decode(tok)
+                torch.cuda.synchronize()
+                ms = (time.perf_counter() - t0) * 1e3 / steps
+                tok, kernels = traced(decode, tok, 4)
+            row = dict(micro_batches=mb, in_turns=in_turns, ctas=n or None, gathers=on)
+            row.update(step_ms=round(ms, 2))
+            split = {} if not on else split_timeline(kernels, cfg.n_layer * mb)
+            row.update({f"traced_{k}": v for k, v in split.items()})
+            row.update(tokens_s=round(batch / ms * 1e3, 1))
+            print(row, flush=True)
+            rows.append(row)
     return rows
 
 
@@ -133,6 +156,11 @@ def flags(p):
         "--micro-batches",
         type=bench.positive_ints,
         help="numbers of micro-batches, e.g. 1,2 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--ctas",
+        type=bench.positive_ints,
+        help="thread blocks of the gather beside a micro-batch's compute, in turns (default: as landed)",
     )
     p.add_argument("--steps", type=bench.at_least_one, help="timed steps (default: %(default)s)")
 

@@ -73,9 +73,11 @@ def make_model(attn, dtype, **kw):
     return model
 
 
-def decode_logits(model, idx, prompt_lens, cache=None, graphed=False, micro_batches=1, chunk=None):
+def decode_logits(
+    model, idx, prompt_lens, cache=None, graphed=False, micro_batches=1, chunk=None, in_turns=False
+):
     """Prefill each sequence's prompt, then decode the rest of idx one token per step (through
-    fast.GraphedDecode if graphed, in micro-batches if asked; the prompts `chunk` tokens at a time);
+    fast.GraphedDecode if graphed, in micro-batches (in turns) if asked; the prompts `chunk` tokens at a time);
     returns the logits at every position from
     the last prompt token on, per sequence. The cache defaults to a growing KVCache on idx's device."""
     cache = cache or KVCache(
@@ -85,7 +87,7 @@ def decode_logits(model, idx, prompt_lens, cache=None, graphed=False, micro_batc
     with torch.no_grad():
         for i, P in enumerate(prompt_lens):
             out[i].append(prefill(model, idx[i : i + 1, :P], cache, i, chunk))
-        decode = fast.GraphedDecode(model, cache, micro_batches)
+        decode = fast.GraphedDecode(model, cache, micro_batches, in_turns)
         decode = decode if graphed else decode.step
         for s in range(idx.shape[1] - max(prompt_lens)):
             logits = decode(torch.stack([idx[i, P + s] for i, P in enumerate(prompt_lens)]))
