@@ -76,7 +76,7 @@ class GraphedDecode:
     (PCIe) overlap the other's compute; the weights are read once per part. in_turns: the parts'
     compute in strict turns (Turns), else as the streams' priorities order it."""
 
-    def __init__(self, model, cache, micro_batches=1, in_turns=True):
+    def __init__(self, model, cache, micro_batches=1, in_turns=False):
         self.model, self.cache = model, cache
         self.graph, self.warm = None, False
         n = micro_batches
