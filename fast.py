@@ -149,7 +149,7 @@ class Turns:
 
     count[p] = the layers part p has issued gathers for, zeroed at the start of each replay. No
     cycle: each wait names a compute that comes earlier in that order. Order only: the same blocks
-    move and the same logits come out (tests/test_turns.py)."""
+    move and the same logits come out (tests/test_turns.py, test_offload.py)."""
 
     def __init__(self, n, n_layer, device):
         self.n, self.n_layer = n, n_layer

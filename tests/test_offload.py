@@ -318,10 +318,13 @@ def test_graphed_decode_equals_eager(offloaded):
         )
 
 
-@pytest.mark.parametrize("graphed", [False] + ([True] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize(
+    "graphed", [False] + (["side by side", "in turns"] if torch.cuda.is_available() else [])
+)
 def test_micro_batches_decode_like_the_whole_batch(graphed):
     """The batch split in two parts (OffloadCache.split: views of one cache), decoded one part after
-    the other, or on two streams inside one CUDA graph: the same logits, selections and counters."""
+    the other, or on two streams inside one CUDA graph (their compute in turns: fast.Turns): the
+    same logits, selections and counters."""
     dtype = torch.float32 if DEV == "cuda" else torch.float64
     model = make_model("nosa", dtype, B=16, l_c=8, s_c=4).to(DEV)
     cfg = model.cfg
@@ -330,7 +333,9 @@ def test_micro_batches_decode_like_the_whole_batch(graphed):
     idx = torch.randint(0, cfg.vocab_size, (len(prompt_lens), T), device=DEV)
     caches = [OffloadCache(cfg, len(prompt_lens), DEV, dtype, max_len=T) for _ in range(2)]
     whole = decode_logits(model, idx, prompt_lens, caches[0])
-    parts = decode_logits(model, idx, prompt_lens, caches[1], graphed=graphed, micro_batches=2)
+    parts = decode_logits(
+        model, idx, prompt_lens, caches[1], bool(graphed), 2, in_turns=graphed == "in turns"
+    )
     for a, b in zip(whole, parts):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5 if dtype == torch.float32 else 1e-12)
     a, b = (c.stats for c in caches)

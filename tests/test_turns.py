@@ -1,6 +1,6 @@
 """The micro-batches' turns (fast.Turns): under every order the device could run the parts' streams
-in, the step completes and the parts compute one at a time; the two kernels do what they say; and on
-a GPU a step in turns gives the logits and moves the blocks of the eager step."""
+in, the step completes and the parts compute one at a time; the two kernels do what they say. (On a
+GPU a step in turns gives the eager step's logits and moves: test_offload.py's micro-batches test.)"""
 
 import random
 
@@ -9,8 +9,6 @@ import torch
 
 import fast
 import offload_kernels
-from offload import OffloadCache
-from tests.conftest import decode_logits, make_model
 
 
 def run_step(turns, n, L, rng):
@@ -85,25 +83,3 @@ def test_turn_kernels():
     offload_kernels.turn_wait(count, 1, 5)  # already there: returns at once
     offload_kernels.turn_wait(count, 2, 7, polls=4)  # never comes: gives up after its polls
     assert count.tolist() == [3, 5, 2]
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and streams need a GPU")
-def test_a_graphed_step_in_turns_decodes_like_the_eager_one():
-    model = make_model("nosa", torch.float32, B=16, l_c=8, s_c=4).cuda()
-    cfg = model.cfg
-    prompt_lens = [5, 37, 70, 20, 90]
-    T = max(prompt_lens) + cfg.k * cfg.B + 40
-    idx = torch.randint(0, cfg.vocab_size, (len(prompt_lens), T), device="cuda")
-    caches = [
-        OffloadCache(cfg, len(prompt_lens), "cuda", torch.float32, max_len=T) for _ in range(2)
-    ]
-    eager = decode_logits(model, idx, prompt_lens, caches[0])
-    turns = decode_logits(
-        model, idx, prompt_lens, caches[1], graphed=True, micro_batches=2, in_turns=True
-    )
-    for a, b in zip(eager, turns):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
-    a, b = (c.stats for c in caches)
-    assert torch.equal(a.moved, b.moved) and a.moved.sum() > 0
-    assert all(torch.equal(x, y) for x, y in zip(caches[0].slot_block, caches[1].slot_block))
