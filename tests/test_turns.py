@@ -55,7 +55,8 @@ def run_step(turns, n, L, rng):
 
 @pytest.mark.parametrize("n, L", [(2, 1), (2, 2), (2, 5), (3, 4)])
 def test_turns_never_deadlock_and_computes_never_overlap(n, L):
-    turns = fast.Turns(n, L, "cpu")  # its kernels in Triton's interpreter; here its schedule only
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # Triton's interpreter on CPU
+    turns = fast.Turns(n, L, dev)  # here its schedule only
     rng, overlapped_without = random.Random(0), False
     for _ in range(300):
         span = run_step(turns, n, L, rng)
