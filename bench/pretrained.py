@@ -3,13 +3,15 @@ imported with import_gguf.py, continued by train.py --init-from in full attentio
 InfLLMv2 and NOSA, and measured on the held-out files of the corpus the training read:
 
 - loss on held-out windows of T tokens, at positions T/2 .. T-1, every model with its own attention,
-  and the dense ones also decoded training-free as InfLLMv2 at the trained models' k;
+  and the dense ones also decoded training-free as InfLLMv2 at the trained models' k; each row's
+  difference to the control and to InfLLMv2 trained taken window by window, ± its standard error;
 - what NOSA's eviction head keeps: how often its core holds the block the full-attention model
   attends to most, and how much of that attention it holds, against random and recent blocks;
 - offloaded decode of held-out prompts: hit rate, blocks and bytes moved per step;
 - long-range recall in the model's chat format: a number planted at a random depth of held-out
   code, asked for at the end ("The secret number is" begun for the assistant), greedy."""
 
+import argparse
 import os
 from dataclasses import replace
 
@@ -241,7 +243,7 @@ def bench_pretrained(
     corpus=None,
     data_dir=None,
     *,
-    windows=8,
+    windows=16,
     T=8192,
     prompts=8,
     prompt_len=7000,
@@ -250,7 +252,7 @@ def bench_pretrained(
     recall_n=8,
     captured_windows=2,
     long=(8, 2048, 1024),
-):  # fmt: skip   (the defaults: 3.5 minutes for 10 systems on an H100)
+):  # fmt: skip   (the defaults, with 8 windows: 3.5 minutes for 10 systems on an H100)
     """An imported dense model and the recipe's runs of it (DENSE-full, -infllmv2, -nosa), measured
     on the held-out files of their corpus: loss, captured attention, offloaded decode, recall and
     long generation (the module's docstring); a table each."""
@@ -272,11 +274,11 @@ def bench_pretrained(
     starts = starts % (len(val) - prompt_len - 1)  # (not where the loss windows start)
     prompt_ids = [val[s : s + prompt_len].tolist() for s in starts]
     cases = None
-    loss, offload, recall, where = [], [], [], []
+    loss, offload, recall, where, per_window = [], [], [], [], {}
     for name, path, over, head_off in systems(dense, full, infllmv2, nosa):
         model = load(path, over, head_off, dev)
         cfg = model.cfg
-        losses = window_losses(model, x, T // 2)
+        per_window[name] = losses = window_losses(model, x, T // 2)
         loss.append(dict(system=name, loss=round(float(np.mean(losses)), 4), windows=windows))
         print(loss[-1], flush=True)
         model = model.to(dtype)
@@ -290,9 +292,15 @@ def bench_pretrained(
         recall.append(row)
         print(row, flush=True)
         del model
-    ref = next(r["loss"] for r in loss if r["system"] == "full, continued")
     for r in loss:
-        r["vs_full_continued"] = f"{100 * (r['loss'] / ref - 1):+.2f}%"
+        for key, ref in (
+            ("full_continued", "full, continued"),
+            ("infllmv2_trained", "infllmv2, trained"),
+        ):
+            r[f"vs_{key}"] = "{:+.2f} ± {:.2f}%".format(
+                *paired(per_window[r["system"]], per_window[ref])
+            )
+        r["window_losses"] = np.round(per_window[r["system"]], 4).tolist()
     core = core_table(nosa, full, x[:4])
     sys_ = systems(dense, full, infllmv2, nosa)
     tables = dict(loss=loss, offload=offload, recall=recall, fact_in_selection=where, core=core)
@@ -301,6 +309,14 @@ def bench_pretrained(
         full, sys_, val, dev, **dict(zip(("n", "prompt", "new"), long))
     )
     return tables
+
+
+def paired(losses, ref):
+    """How far behind ref a system's per-window losses are, in percent, the difference taken window
+    by window: (mean, its standard error over the windows). Windows differ far more among
+    themselves (1-7% for one system against another) than two systems differ on one window."""
+    d = 100 * (np.asarray(losses) / np.asarray(ref) - 1)
+    return d.mean(), d.std(ddof=1) / len(d) ** 0.5
 
 
 def offloaded_decode(model, prompt_ids, new_tokens):
@@ -386,11 +402,25 @@ def flags(p):
         "standard library here), whose held-out files are read from data/",
     )
     p.add_argument(
+        "--windows",
+        type=at_least_two,
+        help="held-out windows of 8192 for the loss (default: %(default)s)",
+    )
+    p.add_argument(
         "--cases",
         dest="recall_n",
         type=bench.at_least_one,
         help="recall tasks per length (default: %(default)s)",
     )
+
+
+def at_least_two(text):
+    """An argparse type: a whole number >= 2 (a standard error needs two windows)."""
+    if bench.at_least_one(text) < 2:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: at least 2, so that each difference has an error"
+        )
+    return int(text)
 
 
 COMMANDS = {"pretrained": (bench_pretrained, flags)}

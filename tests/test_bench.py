@@ -380,6 +380,17 @@ def test_head_only_training_moves_the_head_alone():
         assert sum(r[f"fact_{k}"] for k in ("Q", "E", "none")) <= 1 + 1e-9
 
 
+def test_paired_difference_against_a_hand_computation():
+    """bench pretrained's error of a difference: taken window by window, so a system 2% behind on
+    every window is 2% behind with no error, however far apart the windows are."""
+    from bench.pretrained import paired
+
+    mean, se = paired([1.02, 2.04, 0.51], [1.0, 2.0, 0.5])
+    assert abs(mean - 2) < 1e-9 and se < 1e-9
+    mean, se = paired([1.01, 1.03], [1.0, 1.0])  # 1% and 3%: mean 2, sd sqrt(2), se 1
+    assert abs(mean - 2) < 1e-9 and abs(se - 1) < 1e-9
+
+
 def test_distances_flag():
     """python -m bench recall --distances: comma-separated positive bins, anything else refused by argparse."""
     import argparse
@@ -403,6 +414,7 @@ def test_distances_flag():
         (["eviction", "--set", "k"], "--set: write FIELD=VALUE"),
         (["throughput", "--max-batch", "0"], "--max-batch: '0': give a whole number, at least 1"),
         (["recall", "--cases", "0"], "--cases: '0': give a whole number, at least 1"),
+        (["pretrained", "--checkpoint", "x", "--windows", "1"], "--windows: '1': at least 2"),
         (["throughput", "--gpu-budget", "nan"], "--gpu-budget: 'nan': give a positive, finite"),
         (["requests", "--host-budget", "inf"], "--host-budget: 'inf': give a positive, finite"),
         (["quality", "--max-new-tokens", "-5"], "--max-new-tokens: '-5': give a whole number"),

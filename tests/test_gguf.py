@@ -418,8 +418,11 @@ def test_bench_pretrained_on_a_small_imported_model(tmp_path):
         long=(2, 100, 20),
     )
     names = [r["system"] for r in tables["loss"]]
-    assert len(names) == 12 and tables["loss"][2]["vs_full_continued"] == "+0.00%"
+    by = {r["system"]: r for r in tables["loss"]}
+    assert len(names) == 12 and by["full, continued"]["vs_full_continued"] == "+0.00 ± 0.00%"
+    assert by["infllmv2, trained"]["vs_infllmv2_trained"] == "+0.00 ± 0.00%"
     assert all(0 < r["loss"] < 10 for r in tables["loss"])
+    assert all(abs(np.mean(r["window_losses"]) - r["loss"]) < 1e-3 for r in tables["loss"])
     hit = {r["system"]: r["hit_rate"] for r in tables["offload"]}
     assert set(hit) == {n for n in names if "infllmv2" in n or "nosa" in n}
     free = "nosa training-free, continued, A = 0"
