@@ -107,7 +107,7 @@ def bench_arrivals(
         c = chunk or 64
         serve_(
             [
-                serve.Request(list(range(1, n + 1)), 4)
+                serve.Request([1 + i % (cfg.vocab_size - 1) for i in range(n)], 4)
                 for n in (64, c + 37, c // 2 + 5, c + 1, P_max)
                 if n + 4 <= max_len
             ]

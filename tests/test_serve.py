@@ -229,6 +229,10 @@ def test_requests_that_cannot_be_served_are_one_line(embedded):
         serve.serve(model, [serve.Request([], 4)], cache, argmax)
     with pytest.raises(ValueError, match="needs 70 tokens .* max_len=70 or more"):
         serve.serve(model, [serve.Request([1] * 60, 10)], cache, argmax)
+    # an id past the vocabulary fails before any work, not in the embedding on the GPU
+    V = model.cfg.vocab_size
+    with pytest.raises(ValueError, match=f"token id outside 0..{V - 1} .*: \\[{V}\\]"):
+        serve.serve(model, [serve.Request([1, 2], 4), serve.Request([3, V, 5], 4)], cache, argmax)
 
 
 def test_requests_arriving_over_time(embedded):
