@@ -73,10 +73,11 @@ class GraphedDecode:
 
     micro_batches > 1 (an offloaded cache): the batch in parts (offload.OffloadCache.split, views of
     one cache) decoded on their own CUDA streams inside the one graph, so that one part's gathers
-    (PCIe) overlap the other's compute; the weights are read once per part. in_turns: the parts'
-    compute in strict turns (Turns), else as the streams' priorities order it."""
+    (PCIe) overlap the other's compute; the weights are read once per part. in_turns (the
+    default): the parts' compute in strict turns (Turns), else as the streams' priorities order
+    it."""
 
-    def __init__(self, model, cache, micro_batches=1, in_turns=False):
+    def __init__(self, model, cache, micro_batches=1, in_turns=True):
         self.model, self.cache = model, cache
         self.graph, self.warm = None, False
         n = micro_batches
