@@ -51,8 +51,9 @@ class Teacher:
     """The distillation loss of every attention layer, collected by forward hooks while `queries`
     are set (a training step's forward); evaluation and generation pass untouched."""
 
-    def __init__(self, model, n_queries=N_QUERIES, tau=TAU):
+    def __init__(self, model, n_queries=N_QUERIES, tau=TAU, target="mass"):
         self.cfg, self.n, self.tau = model.cfg, n_queries, tau
+        self.v = target == "output"  # the teacher: each block's attention mass, or its output's
         self.t, self.losses = None, []
         for layer in model.layers:
             layer.self_attn.register_forward_hook(self.hook)
@@ -76,7 +77,9 @@ class Teacher:
         x, rope = args[0], args[1]
         with torch.no_grad():
             q, k, v, _ = attn.qkvc(x, rope)
-            mass = eviction.attention_by_block(q[:, :, self.t], k, self.t, self.cfg)
+            mass = eviction.attention_by_block(
+                q[:, :, self.t], k, self.t, self.cfg, v=v if self.v else None
+            )
         with torch.enable_grad():  # also inside a warm-up step's forward, which has none
             c = attn.eviction(v)
             self.losses.append(eviction.distillation_loss(c, mass, self.t, self.cfg, self.tau))

@@ -290,23 +290,41 @@ def heavy_hitters(q, k, c, cfg, start=0, h=None):
 # blocks by the attention they will get; a distillation loss asks that directly.
 
 
+OUTPUT_PASS = 2**24  # floats of the per-block outputs attention_by_block(v=...) holds at once
+
+
 @torch.no_grad()
 @torch.amp.autocast("cuda", enabled=False)
-def attention_by_block(q, k, t, cfg, bias=None):
+def attention_by_block(q, k, t, cfg, bias=None, v=None):
     """The teacher: what the queries at positions t attend to, block by block. The dense softmax of
     q·k/√d (+ bias) over every causal key, averaged over each KV head's G query heads and summed
     over each block's tokens. q (Bz, H_q, n, d), t (n,) their positions, k (Bz, H_kv, S, d),
-    bias (Bz, H_kv, S) or None -> (Bz, H_kv, n, nb); each row sums to 1."""
+    bias (Bz, H_kv, S) or None -> (Bz, H_kv, n, nb); each row sums to 1.
+    With the values v (Bz, H_kv, S, d): what each block adds to the query's output beyond its share
+    of it, |Σ_{j in b} p_j (v_j - o)| with o = Σ_j p_j v_j (how far o moves, to first order, if the
+    block is dropped), averaged over the group; a block of much mass whose values are o's changes
+    little."""
     Bz, H_q, n, d = q.shape
-    H_kv, S = k.shape[1], k.shape[2]
+    H_kv, S, B = k.shape[1], k.shape[2], cfg.B
     qg = fp32(q).view(Bz, H_kv, H_q // H_kv, n, d)
     s = torch.einsum("bhgnd,bhsd->bhgns", qg, fp32(k)) / math.sqrt(d)  # (Bz, H_kv, G, n, S)
     if bias is not None:
         s = s + fp32(bias)[:, :, None, None, :]
     s = s.masked_fill(torch.arange(S, device=q.device) > t[:, None], float("-inf"))
-    p = torch.softmax(s, -1).mean(2)  # (Bz, H_kv, n, S)
     nb = cfg.n_blocks(S)
-    return F.pad(p, (0, nb * cfg.B - S)).view(Bz, H_kv, n, nb, cfg.B).sum(-1)
+    p = F.pad(torch.softmax(s, -1), (0, nb * B - S)).unflatten(-1, (nb, B))  # (.., G, n, nb, B)
+    if v is None:
+        return p.sum(-1).mean(2)
+    vb = F.pad(fp32(v), (0, 0, 0, nb * B - S)).view(Bz, H_kv, nb, B, d)
+    o = torch.einsum("bhgnkj,bhkjd->bhgnd", p, vb)
+    out = torch.empty(Bz, H_kv, n, nb, dtype=o.dtype, device=o.device)
+    step = max(1, OUTPUT_PASS // (Bz * H_q * nb * d))  # queries a pass
+    for i in range(0, n, step):
+        pi = p[:, :, :, i : i + step]
+        a = torch.einsum("bhgnkj,bhkjd->bhgnkd", pi, vb)  # each block's part of the output
+        a = a - pi.sum(-1, keepdim=True) * o[:, :, :, i : i + step, None]
+        out[:, :, i : i + step] = a.norm(dim=-1).mean(2)
+    return out
 
 
 def distillation_loss(c, mass, t, cfg, tau):

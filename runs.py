@@ -172,6 +172,7 @@ def run_record(o, cfg, state, world, master, model_tok=None):
         fsdp=o.fsdp,
         head_warmup=o.head_warmup,
         head_distill=o.head_distill,
+        head_target=o.head_target,
     )
     if state:  # continue exactly that run (older checkpoints lack some of these)
         flag = dict(

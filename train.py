@@ -107,6 +107,9 @@ class Options:
     fsdp: bool = False  # under torchrun: weights, gradients and optimizer state sharded (FSDP2)
     head_warmup: int = 0  # the first N steps teach the eviction head alone (distill.py)
     head_distill: float = 0.0  # after them, this times the head's distillation loss beside the LM's
+    head_target: str = (
+        "mass"  # what the head is taught: each block's attention mass or output change
+    )
 
     def check(self):
         """One line for a flag out of range, before any work."""
@@ -145,6 +148,13 @@ class Options:
             raise ValueError(
                 f"--head-warmup and --head-distill teach the eviction head, which --attn "
                 f"{self.attn} lacks: use --attn nosa (or dma)"
+            )
+        if self.head_target not in ("mass", "output"):
+            raise ValueError(f"--head-target {self.head_target!r}: mass or output")
+        if self.head_target != "mass" and not (self.head_warmup or self.head_distill):
+            raise ValueError(
+                f"--head-target {self.head_target}: what --head-warmup or --head-distill "
+                f"teaches; give one of them, or drop --head-target"
             )
         if self.head_warmup and self.fsdp:
             raise ValueError(
@@ -224,7 +234,9 @@ def main(**flags):
     if o.resume:
         step = runs.resume(model, opt, state, o, device, master)
     raw = model
-    teacher = distill.Teacher(raw) if o.head_warmup or o.head_distill else None
+    teacher = None
+    if o.head_warmup or o.head_distill:
+        teacher = distill.Teacher(raw, target=o.head_target)
     if o.head_warmup and step == 0:
         distill.start_head(raw)
     if world > 1 and not o.fsdp:
@@ -496,6 +508,13 @@ def cli(argv=None):
         metavar="W",
         help="after the warm-up, W times the head's distillation loss beside the language-model "
         "loss (default 0: the paper's recipe)",
+    )
+    p.add_argument(
+        "--head-target",
+        choices=("mass", "output"),
+        help="what the distillation teaches E: each candidate block's share of the dense attention "
+        "(mass, the default), or how far the query's output moves without it (output: "
+        "eviction.attention_by_block)",
     )
     p.add_argument(
         "--corpus",

@@ -45,6 +45,41 @@ def test_the_teacher_is_the_dense_attention_summed_per_block():
         torch.testing.assert_close(mass.sum(-1), torch.ones(Bz, 2, len(t), dtype=torch.float64))
 
 
+def test_the_output_teacher_is_each_blocks_change_of_the_output():
+    """attention_by_block with v against a loop (fp64): per query head, |Σ_{j in b} p_j (v_j - o)|,
+    o its output, averaged over the group; in passes of a few queries as in one; and a block whose
+    values all equal the output changes nothing, whatever its mass."""
+    Bz, S, d = 2, 50, 16
+    q = torch.randn(Bz, 4, S, d, dtype=torch.float64)
+    k = torch.randn(Bz, 2, S, d, dtype=torch.float64)
+    v = torch.randn(Bz, 2, S, d, dtype=torch.float64)
+    t = torch.tensor([3, 17, 40, 49])
+    got = eviction.attention_by_block(q[:, :, t], k, t, cfg, v=v)
+    nb = cfg.n_blocks(S)
+    ref = torch.zeros(Bz, 2, len(t), nb, dtype=torch.float64)
+    for z in range(Bz):
+        for h in range(4):
+            for i, ti in enumerate(t.tolist()):
+                p = torch.softmax(k[z, h // 2, : ti + 1] @ q[z, h, ti] / math.sqrt(d), 0)
+                o = p @ v[z, h // 2, : ti + 1]
+                for b in range(ti // cfg.B + 1):  # a block after the query's: nothing
+                    j = torch.arange(b * cfg.B, min((b + 1) * cfg.B, ti + 1))
+                    a = (p[j, None] * (v[z, h // 2, j] - o)).sum(0)
+                    ref[z, h // 2, i, b] += a.norm() / 2  # the mean over the group's 2
+    torch.testing.assert_close(got, ref)
+    old = eviction.OUTPUT_PASS
+    try:
+        eviction.OUTPUT_PASS = 1  # one query a pass
+        torch.testing.assert_close(eviction.attention_by_block(q[:, :, t], k, t, cfg, v=v), got)
+    finally:
+        eviction.OUTPUT_PASS = old
+    # one query, whose keys are all in blocks 0-1 and whose values are all one vector: no change
+    flat = v.clone()
+    flat[:, :, :16] = 1.0
+    one = eviction.attention_by_block(q[:, :, [15]], k, torch.tensor([15]), cfg, v=flat)
+    assert one.abs().max() < 1e-12 and got.gt(0).any()
+
+
 def test_the_distillation_loss_is_the_kl_over_each_querys_candidates():
     """Against a loop: the teacher's mass on C(t), renormalised, against the softmax of E / tau over
     C(t); zero where the student equals the teacher, positive elsewhere."""
@@ -139,12 +174,13 @@ def test_distillation_teaches_E_to_keep_the_blocks_later_queries_attend_to():
     assert held(E) > 0.8 * oracle and recency < 0.5 * held(E), (held(E), oracle, recency)
 
 
-def test_a_run_with_the_warmup_resumes_exactly(corpus, tmp_path):  # noqa: F811
-    """Stopped inside the warm-up and resumed, the run ends bit for bit where it would have; the
-    warm-up moves the head alone, and the distillation loss falls over it."""
+@pytest.mark.parametrize("target", ["mass", "output"])
+def test_a_run_with_the_warmup_resumes_exactly(corpus, tmp_path, target):  # noqa: F811
+    """Stopped inside the warm-up and resumed, the run ends bit for bit where it would have, with
+    either teacher; the warm-up moves the head alone; a resume must teach as the run did."""
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     kw = dict(data=corpus, data_dir=str(tmp_path / "data"), steps=7, eval_every=100)
-    kw.update(run, log_every=1, head_warmup=4, head_distill=0.5, **small)
+    kw.update(run, log_every=1, head_warmup=4, head_distill=0.5, head_target=target, **small)
     torch.manual_seed(1337)  # the model train.main makes
     fresh = Transformer(Config.from_preset("tiny", **small))
     ref, _ = train.main(out=a, **kw)
@@ -158,3 +194,6 @@ def test_a_run_with_the_warmup_resumes_exactly(corpus, tmp_path):  # noqa: F811
         assert torch.equal(x, y) != n.endswith(("self_attn.A", "delta.weight")), n
     with pytest.raises(ValueError, match="head_warmup=4"):
         train.main(out=b, resume=True, **{**kw, "head_warmup": 2})
+    other = {"mass": "output", "output": "mass"}[target]
+    with pytest.raises(ValueError, match=f"head_target='{target}'"):
+        train.main(out=b, resume=True, **{**kw, "head_target": other})

@@ -274,6 +274,7 @@ def test_a_kill_during_a_save_leaves_a_whole_checkpoint(corpus, tmp_path, where)
         (["--head-warmup", "120"], "--head-warmup 120: the first steps of the run's --steps 120"),
         (["--head-warmup", "-1"], "--head-warmup -1"),
         (["--head-distill", "nan"], "--head-distill nan: a weight of at least 0"),
+        (["--head-target", "output"], "--head-target output: what --head-warmup or --head-distill"),
         (["--attn", "infllmv2", "--head-warmup", "5"], "which --attn infllmv2 lacks"),
     ]
     + ([(["--device", "cuda"], "sees no CUDA device")] if not torch.cuda.is_available() else []),
