@@ -312,9 +312,10 @@ def attention_by_block(q, k, t, cfg, bias=None, v=None):
         s = s + fp32(bias)[:, :, None, None, :]
     s = s.masked_fill(torch.arange(S, device=q.device) > t[:, None], float("-inf"))
     nb = cfg.n_blocks(S)
-    p = F.pad(torch.softmax(s, -1), (0, nb * B - S)).unflatten(-1, (nb, B))  # (.., G, n, nb, B)
     if v is None:
-        return p.sum(-1).mean(2)
+        p = torch.softmax(s, -1).mean(2)  # (Bz, H_kv, n, S)
+        return F.pad(p, (0, nb * B - S)).view(Bz, H_kv, n, nb, B).sum(-1)
+    p = F.pad(torch.softmax(s, -1), (0, nb * B - S)).unflatten(-1, (nb, B))  # (.., G, n, nb, B)
     vb = F.pad(fp32(v), (0, 0, 0, nb * B - S)).view(Bz, H_kv, nb, B, d)
     o = torch.einsum("bhgnkj,bhkjd->bhgnd", p, vb)
     out = torch.empty(Bz, H_kv, n, nb, dtype=o.dtype, device=o.device)
