@@ -260,7 +260,7 @@ def serve(model, requests, cache, pick, *, eos_ids=(), chunk=None, on_host=False
     if not all(r.ids and r.max_new_tokens >= 1 for r in requests):
         raise ValueError("every request needs a prompt of a token or more and max_new_tokens >= 1")
     V = model.cfg.vocab_size
-    if bad := next((r for r in requests if not all(0 <= t < V for t in r.ids)), None):
+    if bad := next((r for r in requests if min(r.ids) < 0 or max(r.ids) >= V), None):
         raise ValueError(
             f"a prompt has a token id outside 0..{V - 1} (the model's vocabulary): "
             f"{[t for t in bad.ids if not 0 <= t < V][:3]}; encode it with this model's tokenizer"

@@ -107,9 +107,7 @@ class Options:
     fsdp: bool = False  # under torchrun: weights, gradients and optimizer state sharded (FSDP2)
     head_warmup: int = 0  # the first N steps teach the eviction head alone (distill.py)
     head_distill: float = 0.0  # after them, this times the head's distillation loss beside the LM's
-    head_target: str = (
-        "mass"  # what the head is taught: each block's attention mass or output change
-    )
+    head_target: str = "mass"  # what the head is taught: a block's attention mass, or output change
 
     def check(self):
         """One line for a flag out of range, before any work."""
