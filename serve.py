@@ -17,7 +17,8 @@ is free, no other prompt is prefilling, and its prompt and new tokens fit max_le
 
 Each turn of the loop:
   1. admit: a free sequence is held back (Parked: it waits at position 0) and the next arrived prompt
-     starts there (with nothing running and nothing arrived, wait for the next arrival)
+     starts there (with nothing running and nothing arrived, the clock skips to the next arrival:
+     an idle server measures nothing, so a run at a low rate takes the time of its work)
   2. one decode step of every sequence (`decode`); the parked ones' outputs are ignored
   3. launch the prefill's next passes; the next decode step waits for them
   4. the step's tokens to the host: a sequence that ends is parked, its request done
@@ -300,8 +301,8 @@ def serve(model, requests, cache, pick, *, eos_ids=(), chunk=None, on_host=False
 
         while waiting or running or pre:
             now = time.perf_counter() - t0
-            if not running and pre is None and waiting[0].arrival > now:  # idle: the next one
-                time.sleep(waiting[0].arrival - now)
+            if not running and pre is None and waiting[0].arrival > now:  # idle until the next:
+                t0 -= waiting[0].arrival - now  # skipped on the clock (nothing runs to measure)
                 now = waiting[0].arrival
             if pre is None and waiting and waiting[0].arrival <= now and len(running) < Bz:
                 t_admit = time.perf_counter()
