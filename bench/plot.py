@@ -85,32 +85,38 @@ def plot_requests(plt):
     return fig
 
 
-def plot_arrivals(plt, name="arrivals_8b_128k.json"):
-    """Requests arriving over time (python -m bench arrivals ...): time to first
-    token (median) and time between tokens (p99) against the request rate, per system, with the
-    targets that define its capacity."""
-    runs = load(name)
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
-    served = [r for r in runs["runs"] if r["rate"]]
-    for j, system in enumerate(dict.fromkeys(r["system"] for r in served)):
-        rs = sorted((r for r in served if r["system"] == system), key=lambda r: r["rate"])
-        for ax, key in zip(axes, ("ttft_median_s", "tbt_p99_s")):
-            x, y = [r["rate"] for r in rs], [r[key] for r in rs]
-            ax.plot(x, y, "o-", color=f"C{j}", label=f"{system} (batch {rs[0]['batch']})")
-    target = runs["capacity"][0] if runs["capacity"] else {}
-    for ax, what, key in (
-        (axes[0], "time to first token, median", "ttft_target_s"),
-        (axes[1], "time between tokens, p99", "tbt_target_s"),
-    ):
-        if key in target:
-            ax.axhline(target[key], color="grey", linestyle=":", label=f"target {target[key]:g} s")
-        ax.set(xscale="log", yscale="log", xlabel="requests a second (Poisson)", ylabel="s")
-        rates = sorted({r["rate"] for r in served})
-        ax.set_xticks(rates, [f"{r:g}" for r in rates])
-        ax.xaxis.set_minor_formatter(plt.NullFormatter())
-        ax.set_title(what)
-        ax.legend(fontsize=8)
-    fig.suptitle("Requests arriving over time at a 24 GiB GPU budget (H200, random weights)")
+def plot_arrivals(plt, names=("arrivals_8b_128k.json", "arrivals_8b_32k.json")):
+    """Requests arriving over time (python -m bench arrivals ... --json): time to first token
+    (median) and time between tokens (p99) against the request rate, per system, with the targets
+    that define a capacity; a row of panels a workload (the files that exist of `names`)."""
+    files = [n for n in names if os.path.exists(os.path.join(RESULTS, n))]
+    fig, axes = plt.subplots(len(files), 2, figsize=(9, 3.4 * len(files)), squeeze=False)
+    for row, name in zip(axes, files):
+        runs = load(name)
+        served = [r for r in runs["runs"] if r["rate"]]
+        for j, system in enumerate(dict.fromkeys(r["system"] for r in served)):
+            rs = sorted((r for r in served if r["system"] == system), key=lambda r: r["rate"])
+            for ax, key in zip(row, ("ttft_median_s", "tbt_p99_s")):
+                x, y = [r["rate"] for r in rs], [r[key] for r in rs]
+                ax.plot(x, y, "o-", color=f"C{j}", label=f"{system} (batch {rs[0]['batch']})")
+        target = runs["capacity"][0] if runs["capacity"] else {}
+        for ax, what, key in (
+            (row[0], "time to first token, median", "ttft_target_s"),
+            (row[1], "time between tokens, p99", "tbt_target_s"),
+        ):
+            if key in target:
+                ax.axhline(
+                    target[key], color="grey", linestyle=":", label=f"target {target[key]:g} s"
+                )
+            ax.set(xscale="log", yscale="log", xlabel="requests a second (Poisson)", ylabel="s")
+            lo, hi = min(r["rate"] for r in served), max(r["rate"] for r in served)
+            ticks = [t for t in (0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 4, 10) if lo <= t <= hi]
+            ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+            ax.xaxis.set_minor_formatter(plt.NullFormatter())
+            ax.set_title(f"{runs.get('workload', name)}:\n{what}", fontsize=9)
+            ax.legend(fontsize=7)
+    device = load(files[0]).get("device", "one GPU")
+    fig.suptitle(f"Requests arriving over time, 24 GiB GPU budget ({device}, random weights)")
     fig.tight_layout()
     return fig
 
