@@ -392,6 +392,11 @@ def test_arriving_workload_and_its_bench_small():
         parts = sum(r[f"{p}_max_ms"] for p in ("admit", "launch", "start", "end", "turn"))
         assert 0 < r["turn_max_ms"] and 1e3 * r["tbt_max_s"] <= parts * 1.05 + 1
     assert {c["system"] for c in tables["capacity"]} == {"nosa + offload", "full, resident cache"}
+    for c in tables["capacity"]:  # bounded only by a miss; the requests done a second, as served
+        mine = [r for r in tables["runs"] if r["system"] == c["system"]]
+        missed = any(r["tbt_p99_s"] > 0.2 or r["ttft_median_s"] > 30.0 for r in mine)
+        assert c["bounded"] == missed and ("more --requests" in c["targets"]) != missed
+        assert c["requests_s_at_highest"] == pytest.approx(4 / mine[-1]["total_s"], rel=1e-2)
     assert all(r["compiles"] == 0 for r in tables["runs"])  # the warm-up compiled what serving ran
 
 
