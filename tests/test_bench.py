@@ -533,7 +533,8 @@ def test_the_overlap_split_of_a_timeline_against_a_slow_reference():
 
 def test_every_bench_command_in_the_documents_parses():
     """Each `python -m bench ...` line of README.md, BENCHMARKS.md and bench/__init__.py names a
-    benchmark and flags it reads (the parser refuses any other): the documents' commands still run."""
+    benchmark and flags it reads (the parser refuses any other), with the shell variables the
+    document sets before it (A="..."): the documents' commands still run."""
     import re
     import shlex
 
@@ -543,7 +544,11 @@ def test_every_bench_command_in_the_documents_parses():
     found = 0
     for name in ("README.md", "BENCHMARKS.md", os.path.join("bench", "__init__.py")):
         text = open(os.path.join(root, name)).read().replace("\\\n", " ")
+        env = {}
         for line in text.splitlines():
+            if m := re.fullmatch(r'([A-Z]\w*)="([^"]*)"', line.strip()):
+                env[m[1]] = m[2]
+            line = re.sub(r"\$([A-Z]\w*)", lambda m: env.get(m[1], m[0]), line)
             for cmd in line.split("&&"):
                 if "python -m bench " not in cmd or "`python -m bench" in cmd:
                     continue  # (a command quoted inside prose is a name, not a run)
