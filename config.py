@@ -36,6 +36,7 @@ class Config:
     n_win: int = 4
     k: int = 16
     k_q: int = 4
+    hh_recency: float = 0.0  # nosa-hh: E = log h + hh_recency · (block index); 0: E = h
 
     def __post_init__(self):
         def check(ok, msg):
@@ -111,6 +112,14 @@ class Config:
         check(
             self.attn != "nosa-hh" or self.n_win >= 1,
             "nosa-hh scores a block by the attention it got in the window: need n_win >= 1",
+        )
+        check(
+            math.isfinite(self.hh_recency) and self.hh_recency >= 0,
+            f"hh_recency={self.hh_recency!r} must be a finite number >= 0",
+        )
+        check(
+            self.hh_recency == 0 or self.attn == "nosa-hh",
+            f"hh_recency={self.hh_recency} blends recency into nosa-hh's E: set attn=nosa-hh",
         )
         check(
             self.rope_scaling is None or self.rope_scaling.get("rope_type") in ("linear", "llama3"),

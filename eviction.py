@@ -251,6 +251,18 @@ def add_heavy_hitters(h, p, key_pos, q_pos, cfg):
     h.scatter_add_(-1, idx, w.to(h.dtype))
 
 
+def hh_scores(h, cfg):
+    """nosa-hh's E from h (..., nb): h itself, or with hh_recency = r > 0 its log plus r a block of
+    recency, E_b = log h_b + r·b (docs/METHOD.md §5). Both terms are final when block b leaves the
+    window, so the theorem holds as for h; the log makes a row's scale of h drop out of the ranking,
+    so one r serves every layer and head: a block must hold e^(r·j) times the attention of one j
+    blocks more recent to outrank it."""
+    if cfg.hh_recency == 0:
+        return h
+    b = torch.arange(h.shape[-1], device=h.device, dtype=h.dtype)
+    return h.clamp_min(torch.finfo(h.dtype).tiny).log() + cfg.hh_recency * b
+
+
 @torch.no_grad()
 def heavy_hitters(q, k, c, cfg, start=0, h=None):
     """The parallel forward's h: what the queries at start .. S-1 add to it (all of it when start =

@@ -172,7 +172,7 @@ def nosa_attention(q, k, v, c, cfg, *, start=0, selects_from=None):
             if c is not None and cfg.n_core > 0:
                 scores = pooling.pool_mean(c, cfg)  # c̃; nosa-hh: h, from every query (start = 0)
                 if cfg.heavy_hitters:
-                    scores = eviction.heavy_hitters(q, k, c, cfg)
+                    scores = eviction.hh_scores(eviction.heavy_hitters(q, k, c, cfg), cfg)
                 lists = eviction.e_lists_by_block(scores, first, (S - 1) // cfg.B, cfg)[0]
             selects_from = pooling.compress_keys(k, cfg), lists
         K_sub, lists = selects_from
@@ -241,7 +241,7 @@ class PooledState:
         )
         pooling.append_subblocks(ring_k, ring_c, K_sub, c_sub, k, c, pos=pos, cfg=cfg)
         if self.e_list_ids:  # E from c̃, or in nosa-hh from h
-            scores = self.h[layer] if cfg.heavy_hitters else c_sub
+            scores = eviction.hh_scores(self.h[layer], cfg) if cfg.heavy_hitters else c_sub
             eviction.e_list_join_leaver(
                 self.e_list_ids[layer], self.e_list_E[layer], scores, pos, cfg
             )
@@ -360,5 +360,9 @@ def pooled_prompt(k, c, cfg, h=None):
     nb = cfg.n_blocks(T)
     b = torch.arange(nb, device=k.device)
     cand = (b >= cfg.n_sink) & (b < (T - 1) // cfg.B - cfg.n_win)  # left the window
-    E = h if cfg.heavy_hitters else eviction.eviction_block_scores(c_sub, nb, cfg)  # (H_kv, nb)
+    E = (
+        eviction.hh_scores(h, cfg)
+        if cfg.heavy_hitters
+        else eviction.eviction_block_scores(c_sub, nb, cfg)
+    )  # (H_kv, nb)
     return K_sub, c_sub, eviction.e_list(E, cand.expand_as(E), cfg.n_e_list), h

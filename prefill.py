@@ -123,6 +123,7 @@ class PromptLayer:
             if cfg.heavy_hitters:  # what the chunk's queries pay their windows, before its lists
                 scores = self.h[:, :, : cfg.n_blocks(e)]
                 eviction.heavy_hitters(q, self.k[:, :, :e], self.c[:, :, :e], cfg, start, scores)
+                scores = eviction.hh_scores(scores, cfg)
             lists, self.e_list_carry = eviction.e_lists_by_block(
                 scores, start // cfg.B, (e - 1) // cfg.B, cfg, self.e_list_carry
             )

@@ -12,8 +12,9 @@ for E differ row by row, so the rows separate "E cannot" from "E did not learn":
                 the n_win after it), known when it leaves the window: query-agnostic from then on
   oracle        a static in-sample score: the mean attention a block gets from all the later queries
                 that see it as a candidate (no query-agnostic score can do better in-sample)
-  nosa-hh       the nosa-hh mode's h (eviction.heavy_hitters): the heavy hitter as a model can
-                know it, each window query's attention over its forced blocks alone
+  nosa-hh       the nosa-hh mode's E (eviction.hh_scores): the heavy hitter as a model can know
+                it, each window query's attention over its forced blocks alone (with recency
+                blended in where hh_recency > 0)
 and InfLLMv2's selection at the same k (no core: every free pick by Q). `core` is the share of the
 mass outside F(t) and the Q-picks that the core holds. The attention is the checkpoint's own (with
 its bias), or that of a reference model on the same tokens (--reference: e.g. the dense control).
@@ -127,7 +128,8 @@ def layer_captured(q, k, c, mass, cfg, t0, *, generator):
     forced = (b <= q_blk) & ((b < cfg.n_sink) | (b >= q_blk - cfg.n_win))  # (T', nb)
     cand = (b <= q_blk) & ~forced
     rest = cand & ~eviction.top_desc(Q, cand, cfg.k_q_free)  # (H_kv, T', nb): not picked by Q
-    h = eviction.heavy_hitters(q, k, c, replace(cfg, attn="nosa-hh"))[0]
+    hh = replace(cfg, attn="nosa-hh")  # (with the checkpoint's hh_recency, if it is nosa-hh)
+    h = eviction.hh_scores(eviction.heavy_hitters(q, k, c, hh)[0], hh)
     out = {}
     for rule, E in rule_scores(mass, c, cfg, t0, generator, h).items():
         if E is None:

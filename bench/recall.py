@@ -91,7 +91,8 @@ def where_the_fact_is(model, ids, t, b_fact):
         pick_e = torch.zeros_like(pick_q)
         if c is not None and cfg.n_core > 0:
             scores = pooling.pool_mean(c, cfg)  # c̃, or nosa-hh's h
-            scores = eviction.heavy_hitters(q, k, c, cfg) if cfg.heavy_hitters else scores
+            if cfg.heavy_hitters:
+                scores = eviction.hh_scores(eviction.heavy_hitters(q, k, c, cfg), cfg)
             ids_e = nosa.e_lists(scores, pos, cfg)[:, :, 0]  # (1, H_kv, n)
             pick_e = eviction.core_picks(
                 ids_e, pick_q.gather(-1, ids_e.clamp(min=0)), cfg.n_core, nb

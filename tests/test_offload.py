@@ -65,9 +65,10 @@ class CheckedCache(OffloadCache):
             assert int((self.block_slot[layer][r] >= 0).sum()) == len(resident), "a slot leaked"
 
 
-@pytest.mark.parametrize("attn", ["nosa", "infllmv2", "dma", "nosa-hh"])
+@pytest.mark.parametrize("attn", ["nosa", "infllmv2", "dma", "nosa-hh", "nosa-hh, hh_recency=0.7"])
 def test_offloaded_decode_equals_parallel_and_resident(attn):
-    model = make_model(attn, torch.float64).to(DEV)
+    attn, *over = attn.split(", hh_recency=")  # nosa-hh with recency blended into its E
+    model = make_model(attn, torch.float64, **{"hh_recency": float(r) for r in over}).to(DEV)
     cfg = model.cfg
     # mixed lengths; k*B = 64, and 4*k*B = 256 tokens are generated after the longest
     prompt_lens = [5, 37, 70]

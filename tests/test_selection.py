@@ -566,18 +566,19 @@ def test_minus_inf_scores_still_fill_the_budget(inf_in):
     assert torch.equal(got.cpu(), want)
 
 
-@pytest.mark.parametrize("offloaded", [False, True])
-def test_heavy_hitters_are_final_when_a_block_leaves_the_window(offloaded):
+@pytest.mark.parametrize("offloaded, hh_recency", [(False, 0.0), (True, 0.0), (True, 0.7)])
+def test_heavy_hitters_are_final_when_a_block_leaves_the_window(offloaded, hh_recency):
     """nosa-hh scores a block by the attention its window's queries paid it (eviction.heavy_hitters).
     Decoded step by step, a block's h never changes once it has left the window, it equals what
-    the parallel forward computes from every query at once, and with those scores as E the
-    theorem and the eviction policy hold under adversarial, evicted-seeking and random Q."""
+    the parallel forward computes from every query at once, and with those scores as E (h, or
+    log h + recency: eviction.hh_scores) the theorem and the eviction policy hold under
+    adversarial, evicted-seeking and random Q."""
     from kvcache import KVCache
     from offload import OffloadCache
     from prefill import prefill
     from tests.conftest import make_model
 
-    model = make_model("nosa-hh", torch.float64, n_layer=1)
+    model = make_model("nosa-hh", torch.float64, n_layer=1, hh_recency=hh_recency)
     cfg = model.cfg
     T, P = 260, 30
     idx = torch.randint(0, cfg.vocab_size, (2, T))
@@ -603,6 +604,32 @@ def test_heavy_hitters_are_final_when_a_block_leaves_the_window(offloaded):
     torch.testing.assert_close(
         cache.sub.h[0][:, :, :nb_done], whole[:, :, :nb_done], rtol=0, atol=1e-12
     )
-    E = whole.flatten(0, 1)  # (rows, nb): the decoded rows' final scores
+    E = eviction.hh_scores(whole, cfg).flatten(0, 1)  # (rows, nb): the decoded rows' final E
     for strategy in ("adversarial", "evicted", "random"):
         check_locality(cfg, E, decode_selections(cfg, E, 9 * cfg.B, strategy, 0))
+
+
+def test_hh_recency_blends_recency_into_the_heavy_hitter_scale_free():
+    """eviction.hh_scores: at hh_recency = 0, E is h itself; above it E = log h + r·b, whose ranking
+    of a row does not change when the row's h is scaled (one r serves every layer and head), which
+    ranks by h as r -> 0 and by recency as r grows, and in between differs from both."""
+    g = torch.Generator().manual_seed(5)
+    h = torch.rand(3, 2, 40, generator=g, dtype=torch.float64) ** 4  # heavy-tailed, as attention
+    cfg0 = Config.from_preset("tiny", attn="nosa-hh")
+    assert eviction.hh_scores(h, cfg0) is h
+    rank = lambda E: torch.sort(E, dim=-1, descending=True, stable=True).indices
+    b = torch.arange(40, dtype=torch.float64)
+    for r in (1e-9, 0.3, 1e3):
+        cfg = Config.from_preset("tiny", attn="nosa-hh", hh_recency=r)
+        E = eviction.hh_scores(h, cfg)
+        torch.testing.assert_close(E, h.log() + r * b, rtol=0, atol=1e-12)
+        scaled = h * torch.rand(3, 2, 1, generator=g, dtype=torch.float64) * 100
+        assert torch.equal(rank(eviction.hh_scores(scaled, cfg)), rank(E))
+    low, mid, high = (
+        rank(eviction.hh_scores(h, Config.from_preset("tiny", attn="nosa-hh", hh_recency=r)))
+        for r in (1e-9, 0.3, 1e3)
+    )
+    assert torch.equal(low, rank(h)) and torch.equal(high, rank(b.expand_as(h)))
+    top = lambda order: set(order[0, 0, :7].tolist())  # a core of 7
+    assert top(mid) != top(low) and top(mid) != top(high)
+    assert torch.isfinite(eviction.hh_scores(torch.zeros(2, 3), cfg)).all()  # h = 0: no -inf

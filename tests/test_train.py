@@ -252,6 +252,8 @@ def test_a_kill_during_a_save_leaves_a_whole_checkpoint(corpus, tmp_path, where)
         (["--set", "k=abc"], "k takes an integer"),
         (["--set", "nope=1"], "unknown config field"),
         (["--set", "k=3"], "invalid NOSA config"),
+        (["--set", "hh_recency=0.5"], "blends recency into nosa-hh's E: set attn=nosa-hh"),
+        (["--attn", "nosa-hh", "--set", "hh_recency=-1"], "hh_recency=-1.0 must be a finite"),
         (
             ["--resume", "--out", "/nonexistent/run"],
             "--resume: no checkpoint in '/nonexistent/run'",
