@@ -27,7 +27,7 @@ from model import Transformer
 ROOT = os.path.dirname(os.path.abspath(__file__))
 EOT = "<|endoftext|>"  # the document separator of train.py's token streams: this format's end of sequence
 # Config fields older checkpoints lack; their absence means what they meant then
-ADDED_LATER = {"rope_scaling"}
+ADDED_LATER = {"rope_scaling", "hh_recency"}
 # the embedded model; train.py never writes it
 DEFAULT_CHECKPOINT = os.path.join(ROOT, "checkpoints", "tiny-nosa")
 

@@ -88,6 +88,11 @@ def test_bad_checkpoints_fail_clearly(corpus, tmp_path):
     # our format writes every field: none defaults
     with pytest.raises(ValueError, match="lacks 'k'"):
         checkpoint.load(out)
+    # but those added after checkpoints were written: their absence means what it meant then
+    older = {k: v for k, v in cfg.items() if k not in checkpoint.ADDED_LATER}
+    json.dump(older, open(os.path.join(out, "config.json"), "w"))
+    model = checkpoint.load(out)[0]
+    assert model.cfg.hh_recency == 0.0 and model.cfg.rope_scaling is None
 
 
 @pytest.mark.slow
