@@ -114,7 +114,7 @@ def bench_arrivals(
                 if n + 4 <= max_len
             ]
         )
-        within, missed = [], False
+        within = []
         for rate in sorted(rates):
             reqs = workload(
                 requests, rate, prompt_lens, max_new_tokens, cfg.vocab_size, seed=seed,
@@ -124,9 +124,9 @@ def bench_arrivals(
             rows.append(row | served_at_rate(serve_, reqs, cfg.n_layer, max_stall, tbt_target))
             print(rows[-1], flush=True)
             if rows[-1]["tbt_p99_s"] > tbt_target or rows[-1]["ttft_median_s"] > ttft_target:
-                missed = True
                 break  # a higher rate only waits longer: the sweep stops at the first miss
             within.append(rate)
+        missed = len(within) < len(rates)  # the sweep stopped at a miss
         capacity.append(
             dict(
                 system=label,
