@@ -57,18 +57,28 @@ def systems(dense, full, infllmv2, nosa):
             ("nosa + warm-up, trained", warm, {}, False),
             ("nosa + warm-up, A = 0", warm, {}, True),
         ]
-    if checkpoint.is_checkpoint(hh):
-        out.append(("nosa-hh, trained", hh, {}, False))
+    if checkpoint.is_checkpoint(hh):  # and its rule for E on the control, training-free
+        r = checkpoint.read_config(hh)[1].hh_recency
+        as_hh = as_infllmv2 | dict(attn="nosa-hh", hh_recency=r)
+        out += [
+            (f"nosa-hh training-free, continued, hh_recency = {r:g}", full, as_hh, True),
+            ("nosa-hh, trained", hh, {}, False),
+            ("nosa-hh, trained, A = 0", hh, {}, True),
+        ]
     return out
 
 
 def load(path, over, head_off, dev):
     """A system's model, fp32: the checkpoint at its overrides, its eviction head turned off (A = 0:
     no bias, E flat, so the core is the most recent blocks) where asked. A dense checkpoint read as
-    NOSA gets a head that is off: NOSA training-free."""
-    if over.get("attn") == "nosa" and not checkpoint.read_config(path)[1].eviction_head:
-        model = checkpoint.load(path, dev, torch.float32, **(over | dict(attn="infllmv2")))[0]
-        cfg = replace(model.cfg, attn="nosa")
+    NOSA (or nosa-hh, at the hh_recency asked) gets a head that is off: training-free."""
+    if (
+        over.get("attn") in ("nosa", "nosa-hh")
+        and not checkpoint.read_config(path)[1].eviction_head
+    ):
+        as_infllmv2 = over | dict(attn="infllmv2", hh_recency=0)
+        model = checkpoint.load(path, dev, torch.float32, **as_infllmv2)[0]
+        cfg = replace(model.cfg, attn=over["attn"], hh_recency=over.get("hh_recency", 0))
         for m in model.modules():
             if isinstance(m, Attention):
                 m.delta = torch.nn.Linear(cfg.H_kv * cfg.head_dim, cfg.H_kv, bias=False, device=dev)

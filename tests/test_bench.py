@@ -556,3 +556,46 @@ def test_every_bench_command_in_the_documents_parses():
                 parser().parse_args(shlex.split(cmd.split("python -m bench ", 1)[1].split("#")[0]))
                 found += 1
     assert found >= 20
+
+
+def test_pretrained_reads_the_control_as_nosa_hh_at_the_trained_runs_rule(tmp_path):
+    """bench pretrained's training-free rows: where DIR-nosa-hh was trained, the control is also
+    read as nosa-hh at that run's hh_recency, which is the control's weights with the mode's rule
+    for E and no bias (A = 0): the same logits as such a model built by hand, and not those of
+    the control read as NOSA (recency) or as nosa-hh without the blend."""
+    from dataclasses import replace
+
+    import checkpoint
+    from bench.pretrained import load, systems
+    from model import Transformer
+    from tests.conftest import small
+
+    torch.manual_seed(0)
+    dense = Transformer(Config.from_preset("tiny", **(small | dict(vocab_size=256))))
+    tok = checkpoint.byte_tokenizer()
+    base = str(tmp_path / "m")
+    for name, attn in (("", "full"), ("-infllmv2", "infllmv2"), ("-nosa", "nosa")):
+        checkpoint.save(Transformer(replace(dense.cfg, attn=attn)), tok, base + name)
+    checkpoint.save(dense, tok, base + "-full")  # the control
+    names = [s[0] for s in systems(base, base + "-full", base + "-infllmv2", base + "-nosa")]
+    assert not any("nosa-hh" in n for n in names)  # no nosa-hh run: no nosa-hh rows
+    checkpoint.save(
+        Transformer(replace(dense.cfg, attn="nosa-hh", hh_recency=0.03)), tok, base + "-nosa-hh"
+    )
+    rows = {s[0]: s for s in systems(base, base + "-full", base + "-infllmv2", base + "-nosa")}
+    _, path, over, head_off = rows["nosa-hh training-free, continued, hh_recency = 0.03"]
+    assert path == base + "-full" and "nosa-hh, trained, A = 0" in rows
+    got = load(path, over, head_off, "cpu")
+    assert got.cfg.attn == "nosa-hh" and got.cfg.hh_recency == 0.03
+    want = Transformer(replace(dense.cfg, attn="nosa-hh", hh_recency=0.03))
+    state = dense.state_dict()
+    want.load_state_dict(state, strict=False)  # the head's A = 0: W_δ then does nothing
+    for layer in want.layers:
+        layer.self_attn.A.data.zero_()
+    x = torch.randint(0, dense.cfg.vocab_size, (1, 300))
+    with torch.no_grad():
+        logits = got(x)
+        torch.testing.assert_close(logits, want(x), rtol=0, atol=1e-5)
+        for other in (dict(attn="nosa", hh_recency=0.0), dict(attn="nosa-hh", hh_recency=0.0)):
+            twin = load(path, over | other, True, "cpu")
+            assert (twin(x) - logits).abs().max() > 1e-3, other
