@@ -61,7 +61,7 @@ def systems(dense, full, infllmv2, nosa):
         r = checkpoint.read_config(hh)[1].hh_recency
         as_hh = as_infllmv2 | dict(attn="nosa-hh", hh_recency=r)
         out += [
-            (f"nosa-hh training-free, continued, hh_recency = {r:g}", full, as_hh, True),
+            (f"nosa-hh training-free, continued, A = 0, hh_recency = {r:g}", full, as_hh, True),
             ("nosa-hh, trained", hh, {}, False),
             ("nosa-hh, trained, A = 0", hh, {}, True),
         ]

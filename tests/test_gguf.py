@@ -419,7 +419,11 @@ def test_bench_pretrained_on_a_small_imported_model(tmp_path):
     )
     names = [r["system"] for r in tables["loss"]]
     by = {r["system"]: r for r in tables["loss"]}
-    assert len(names) == 12 and by["full, continued"]["vs_full_continued"] == "+0.00 ± 0.00%"
+    assert len(names) == 14 and by["full, continued"]["vs_full_continued"] == "+0.00 ± 0.00%"
+    assert {
+        "nosa-hh training-free, continued, A = 0, hh_recency = 0",
+        "nosa-hh, trained, A = 0",
+    } < set(names)  # the nosa-hh run's rule for E on the control, and the run with its bias off
     assert by["infllmv2, trained"]["vs_infllmv2_trained"] == "+0.00 ± 0.00%"
     assert all(0 < r["loss"] < 10 for r in tables["loss"])
     assert all(abs(np.mean(r["window_losses"]) - r["loss"]) < 1e-3 for r in tables["loss"])
@@ -442,10 +446,12 @@ def test_bench_pretrained_on_a_small_imported_model(tmp_path):
     assert gen == {n for n in names if "imported" not in n and "A = 0" not in n}
 
 
-def test_a_dense_checkpoint_read_as_nosa_with_its_head_off(tmp_path):
-    """bench pretrained's training-free NOSA: a full-attention checkpoint read as NOSA (its head
-    off: A = 0) gives the logits of a NOSA model of the same weights whose A is 0, and not the
-    dense model's."""
+@pytest.mark.parametrize("attn, hh_recency", [("nosa", 0.0), ("nosa-hh", 0.0), ("nosa-hh", 1e-3)])
+def test_a_dense_checkpoint_read_as_nosa_with_its_head_off(tmp_path, attn, hh_recency):
+    """bench pretrained's training-free NOSA: a full-attention checkpoint read as NOSA, or as
+    nosa-hh at the hh_recency of the nosa-hh run (its head off: A = 0), gives the logits of a model
+    of that mode and the same weights whose A is 0, and not the dense model's; the blend's, not
+    those of recency (NOSA) or of the heavy hitter alone."""
     from dataclasses import replace
 
     from bench import pretrained
@@ -454,17 +460,23 @@ def test_a_dense_checkpoint_read_as_nosa_with_its_head_off(tmp_path):
     sets = dict(B=16, l_c=8, s_c=4, n_sink=1, n_win=1, k=6, k_q=2)
     cfg = Config.from_preset("tiny", n_layer=2, dim=64, hidden_dim=128, max_seq_len=512)
     dense = Transformer(cfg)
-    checkpoint.save(dense, checkpoint.byte_tokenizer(), str(tmp_path / "full"))
-    got = pretrained.load(str(tmp_path / "full"), dict(attn="nosa", **sets), True, "cpu")
-    want = Transformer(replace(cfg, attn="nosa", **sets))
+    path = str(tmp_path / "full")
+    checkpoint.save(dense, checkpoint.byte_tokenizer(), path)
+    over = dict(attn=attn, hh_recency=hh_recency, **sets)
+    got = pretrained.load(path, over, True, "cpu")
+    want = Transformer(replace(cfg, **over))
     want.load_state_dict(dense.state_dict(), strict=False)
     for layer in want.layers:
         layer.self_attn.A.data.zero_()
         layer.self_attn.delta.weight.data.normal_()  # anything: A = 0 turns it off
-    assert got.cfg.attn == "nosa" and all(
+    assert (got.cfg.attn, got.cfg.hh_recency) == (attn, hh_recency) and all(
         m.cfg is got.cfg for m in got.modules() if hasattr(m, "cfg")
     )
     x = torch.randint(0, cfg.vocab_size, (2, 300))
     with torch.no_grad():
         torch.testing.assert_close(got(x), want(x), rtol=0, atol=1e-5)
         assert (got(x) - dense(x)).abs().max() > 1e-3  # sparse: not the dense model's
+        if hh_recency:  # (at this r and these random weights, the blend differs from both)
+            for other in (dict(attn="nosa", hh_recency=0.0), dict(hh_recency=0.0)):
+                twin = pretrained.load(path, over | other, True, "cpu")
+                assert (twin(x) - got(x)).abs().max() > 1e-3, other
