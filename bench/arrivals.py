@@ -11,6 +11,8 @@ within the targets; the rates run in ascending order, and a system's sweep stops
 rate (`requests_s`) say what the system sustains if it was saturated there."""
 
 import contextlib
+import json
+import os
 import resource
 import statistics
 import time
@@ -73,14 +75,27 @@ def spread(xs):
 def bench_arrivals(
     shape="8b", rates=(0.05, 0.1, 0.2), *, prompt_lens=(65536, 131072), max_new_tokens=(256, 4096),
     requests=32, gpu_budget=24.0, host_budget=None, systems=("nosa-offload", "full"), lengths=None,
-    tbt_target=0.2, ttft_target=30.0, max_stall=2.0, seed=0,
+    tbt_target=0.2, ttft_target=30.0, max_stall=2.0, seed=0, add_to=None,
 ):  # fmt: skip
     """Requests arriving over time, served by continuous batching (the module's docstring): per
-    system and rate, times to first token and between tokens, and each system's capacity."""
+    system and rate, times to first token and between tokens, and each system's capacity. With
+    add_to, a results file of the same sweep (workload, targets, GPU), the rows join the file's (a
+    system's row at a rate replaced), the capacities are taken over all of them, and the file is
+    rewritten: one sweep over several calls."""
     from fast import GraphedDecode
 
     bench.check_decode_run(shape, gpu_budget)
-    lengths = read_lengths(lengths) if isinstance(lengths, str) else lengths
+    lengths_from = lengths if isinstance(lengths, str) else None
+    lengths = read_lengths(lengths) if lengths_from else lengths
+    g = f"{max_new_tokens[0]}-{max_new_tokens[1]}"
+    sweep = dict(
+        device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        workload=f"{shape}, {requests} requests of "
+        + (f"the lengths in {os.path.basename(lengths_from)}" if lengths_from else
+           f"{kilo(prompt_lens[0])}-{kilo(prompt_lens[1])} + {g} tokens"),
+        targets=[tbt_target, ttft_target],
+    )  # fmt: skip
+    earlier = read_sweep(add_to, sweep) if add_to else []  # (before any work)
     P_max = max(p for p, _ in lengths) if lengths else prompt_lens[1]
     max_len = P_max + (max(g for _, g in lengths) if lengths else max_new_tokens[1])
     rows, capacity = [], []
@@ -114,7 +129,6 @@ def bench_arrivals(
                 if n + 4 <= max_len
             ]
         )
-        within = []
         for rate in sorted(rates):
             reqs = workload(
                 requests, rate, prompt_lens, max_new_tokens, cfg.vocab_size, seed=seed,
@@ -125,26 +139,79 @@ def bench_arrivals(
             print(rows[-1], flush=True)
             if rows[-1]["tbt_p99_s"] > tbt_target or rows[-1]["ttft_median_s"] > ttft_target:
                 break  # a higher rate only waits longer: the sweep stops at the first miss
-            within.append(rate)
-        missed = len(within) < len(rates)  # the sweep stopped at a miss
-        capacity.append(
-            dict(
-                system=label,
-                capacity_rate=max(within) if within else 0.0,
-                # no miss: the requests ran out before a queue could grow past the targets (a
-                # burst of them held), so the capacity lies above the highest rate, unknown
-                bounded=missed,
-                requests_s_at_highest=rows[-1]["requests_s"],
-                tbt_target_s=tbt_target,
-                ttft_target_s=ttft_target,
-                targets=f"p99 time between tokens <= {tbt_target} s, median time to first token "
-                f"<= {ttft_target} s"
-                + ("" if missed else f"; all held: give more --requests than {requests}"),
-            )
-        )
+        capacity.append(capacity_of(label, rows, requests, tbt_target, ttft_target))
         cache = model = decode = serve_ = None  # (the graph holds both)
         bench.free(torch.cuda.is_available())
+    if not add_to:
+        return dict(runs=rows, capacity=capacity)
+    new = {(r["system"], r["rate"]) for r in rows}
+    rows = [r for r in earlier if (r["system"], r["rate"]) not in new] + rows
+    rows.sort(key=lambda r: (r["system"], r["rate"] or 0))
+    systems_ = dict.fromkeys(r["system"] for r in rows if r["rate"])
+    capacity = [capacity_of(s, rows, requests, tbt_target, ttft_target) for s in systems_]
+    out = dict(sweep, date=time.strftime("%Y-%m-%d"), runs=rows, capacity=capacity)
+    with open(add_to + ".new", "w") as f:
+        json.dump(out, f, indent=1)
+    os.replace(add_to + ".new", add_to)  # whole, or as it was
     return dict(runs=rows, capacity=capacity)
+
+
+def capacity_of(label, rows, requests, tbt_target, ttft_target):
+    """A system's capacity from its rows (rates in ascending order up to its first miss): the
+    highest rate held; bounded where a rate missed, and the requests completed a second at the
+    highest rate run up to that miss."""
+    mine = sorted((r for r in rows if r["system"] == label and r["rate"]), key=lambda r: r["rate"])
+    within = []
+    for r in mine:
+        if r["tbt_p99_s"] > tbt_target or r["ttft_median_s"] > ttft_target:
+            break  # a higher rate only waits longer
+        within.append(r)
+    missed = len(within) < len(mine)
+    return dict(
+        system=label,
+        capacity_rate=within[-1]["rate"] if within else 0.0,
+        # no miss: the requests ran out before a queue could grow past the targets (a burst of
+        # them held), so the capacity lies above the highest rate, unknown
+        bounded=missed,
+        requests_s_at_highest=mine[len(within) if missed else -1]["requests_s"],
+        tbt_target_s=tbt_target,
+        ttft_target_s=ttft_target,
+        targets=f"p99 time between tokens <= {tbt_target} s, median time to first token "
+        f"<= {ttft_target} s"
+        + ("" if missed else f"; all held: give more --requests than {requests}"),
+    )
+
+
+def read_sweep(path, sweep):
+    """The rows of a results file that a run adds to (bench_arrivals' add_to), checked to be of the
+    same sweep; a file not there yet starts one."""
+    if not os.path.exists(path):
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise ValueError(
+                f"--add-to {path}: cannot write there; give a path in a writable folder"
+            )
+        return []
+    try:
+        with open(path) as f:
+            held = json.load(f)
+        runs = held["runs"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ValueError(
+            f"--add-to {path}: not a results file of bench arrivals --add-to; give another path"
+        ) from None
+    for key, mine in sweep.items():
+        if held.get(key) != mine:
+            raise ValueError(
+                f"--add-to {path}: holds the {key} {held.get(key)!r}, this run has {mine!r}: one "
+                f"file holds one sweep; give another path"
+            )
+    return runs
+
+
+def kilo(n):
+    """65536 -> '64K', 1000 -> '1000'."""
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
 
 def served_at_rate(serve_, reqs, n_layer, max_stall, tbt_target=0.2):
@@ -251,6 +318,12 @@ def flags(p):
     )
     p.add_argument(
         "--ttft-target", type=bench.gib, help="median time to first token, s (default: %(default)s)"
+    )
+    p.add_argument(
+        "--add-to",
+        metavar="FILE.json",
+        help="join the rows to this results file of the same sweep (workload, targets, GPU; made if "
+        "not there), the capacities taken over all its rows: a sweep over several calls",
     )
 
 

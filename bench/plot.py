@@ -115,7 +115,8 @@ def plot_arrivals(plt, names=("arrivals_8b_128k.json", "arrivals_8b_32k.json")):
             ax.xaxis.set_minor_formatter(plt.NullFormatter())
             ax.set_title(f"{runs.get('workload', name)}:\n{what}", fontsize=9)
             ax.legend(fontsize=7)
-    device = load(files[0]).get("device", "one GPU")
+    first = load(files[0])
+    device = ", ".join(first[k] for k in ("device", "date") if k in first) or "one GPU"
     fig.suptitle(f"Requests arriving over time, 24 GiB GPU budget ({device}, random weights)")
     fig.tight_layout()
     return fig

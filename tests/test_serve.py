@@ -400,6 +400,67 @@ def test_arriving_workload_and_its_bench_small():
     assert all(r["compiles"] == 0 for r in tables["runs"])  # the warm-up compiled what serving ran
 
 
+def test_a_sweep_over_calls_joins_one_results_file(tmp_path):
+    """bench arrivals --add-to: calls of one sweep join their rows in one file (a rate run again
+    replaces its row) and the capacities are taken over all of them as one call's would be; a file
+    of another workload, or not a results file, is refused in one line before any work and kept."""
+    from bench.arrivals import bench_arrivals
+
+    f = str(tmp_path / "sweep.json")
+    kw = dict(
+        shape="tiny", prompt_lens=(40, 120), max_new_tokens=(4, 8), requests=4, gpu_budget=1.0
+    )
+    bench_arrivals(rates=(50.0,), systems=("nosa-offload",), add_to=f, **kw)
+    out = bench_arrivals(rates=(50.0, 100.0), add_to=f, **kw)  # both systems, 50/s again
+    held = json.load(open(f))
+    assert held["workload"] == "tiny, 4 requests of 40-120 + 4-8 tokens" and held["date"]
+    pairs = [(r["system"], r["rate"]) for r in held["runs"]]
+    assert (
+        sorted(pairs) == pairs
+        and len(pairs) == 4
+        and set(pairs)
+        == {(s, r) for s in ("nosa + offload", "full, resident cache") for r in (50.0, 100.0)}
+    )
+    assert held["runs"] == out["runs"] and held["capacity"] == out["capacity"]
+    one = bench_arrivals(rates=(50.0, 100.0), systems=("full",), **kw)["capacity"][0]
+    got = next(c for c in held["capacity"] if c["system"] == "full, resident cache")
+    assert got.keys() == one.keys() and got["capacity_rate"] == one["capacity_rate"]
+    before = open(f).read()
+    with pytest.raises(ValueError, match="holds the workload .* one file holds one sweep"):
+        bench_arrivals(rates=(50.0,), add_to=f, **(kw | dict(requests=5)))
+    with pytest.raises(
+        ValueError, match=r"holds the targets \[0.2, 30.0\], this run has \[0.5, 30.0\]"
+    ):
+        bench_arrivals(rates=(50.0,), add_to=f, tbt_target=0.5, **kw)
+    (tmp_path / "other.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="not a results file of bench arrivals"):
+        bench_arrivals(rates=(50.0,), add_to=str(tmp_path / "other.json"), **kw)
+    assert open(f).read() == before
+
+
+def test_a_capacity_is_the_highest_rate_before_the_first_miss():
+    """bench arrivals' capacity from a system's rows in any order: the rates held up to the first
+    that misses a target; bounded by that miss, with the requests completed a second there; where
+    none misses, unbounded, at the highest rate, and the targets say to give more requests."""
+    from bench.arrivals import capacity_of
+
+    row = lambda rate, tbt, ttft, req_s: dict(
+        system="s", rate=rate, tbt_p99_s=tbt, ttft_median_s=ttft, requests_s=req_s
+    )
+    rows = [row(0.1, 0.05, 5, 0.1), row(0.2, 0.1, 20, 0.2), row(0.4, 0.1, 31, 0.3)]
+    rows += [row(0.8, 0.1, 10, 0.5), dict(system="t", rate=None, batch=0)]  # held after the miss
+    random.Random(0).shuffle(rows)
+    c = capacity_of("s", rows, 8, 0.2, 30.0)
+    assert (c["capacity_rate"], c["bounded"], c["requests_s_at_highest"]) == (0.2, True, 0.3)
+    assert "more --requests" not in c["targets"]
+    rows = [r for r in rows if r.get("rate") in (0.1, 0.2)]
+    c = capacity_of("s", rows, 8, 0.2, 30.0)
+    assert (c["capacity_rate"], c["bounded"], c["requests_s_at_highest"]) == (0.2, False, 0.2)
+    assert "give more --requests than 8" in c["targets"]
+    c = capacity_of("s", [row(0.1, 0.3, 5, 0.1)], 8, 0.2, 30.0)  # the first rate misses
+    assert (c["capacity_rate"], c["bounded"], c["requests_s_at_highest"]) == (0.0, True, 0.1)
+
+
 def test_the_stall_budget_times_a_step_alone_of_as_many_sequences_as_decode():
     """A step's time grows with the sequences decoding: where their number changes (a request
     admitted or ended), the next step runs alone and is timed, and the speed kept compares each
