@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 import bench
+import console
 import offload
 import serve
 from bench.requests import budgets, seconds, system
@@ -95,7 +96,9 @@ def bench_arrivals(
            f"{kilo(prompt_lens[0])}-{kilo(prompt_lens[1])} + {g} tokens"),
         targets=[tbt_target, ttft_target],
     )  # fmt: skip
-    earlier = read_sweep(add_to, sweep) if add_to else []  # (before any work)
+    add_to = add_to and os.path.realpath(add_to)  # (resolved once)
+    inputs = {os.path.realpath(lengths_from)} if lengths_from else set()
+    earlier = read_sweep(add_to, sweep, inputs) if add_to else []  # (before any work)
     P_max = max(p for p, _ in lengths) if lengths else prompt_lens[1]
     max_len = P_max + (max(g for _, g in lengths) if lengths else max_new_tokens[1])
     rows, capacity = [], []
@@ -150,9 +153,11 @@ def bench_arrivals(
     systems_ = dict.fromkeys(r["system"] for r in rows if r["rate"])
     capacity = [capacity_of(s, rows, requests, tbt_target, ttft_target) for s in systems_]
     out = dict(sweep, date=time.strftime("%Y-%m-%d"), runs=rows, capacity=capacity)
-    with open(add_to + ".new", "w") as f:
+    part = f"{add_to}.{os.getpid()}.part"
+    os.makedirs(os.path.dirname(add_to), exist_ok=True)
+    with open(part, "w") as f:
         json.dump(out, f, indent=1)
-    os.replace(add_to + ".new", add_to)  # whole, or as it was
+    os.replace(part, add_to)  # whole, or as it was
     return dict(runs=rows, capacity=capacity)
 
 
@@ -182,15 +187,12 @@ def capacity_of(label, rows, requests, tbt_target, ttft_target):
     )
 
 
-def read_sweep(path, sweep):
+def read_sweep(path, sweep, inputs):
     """The rows of a results file that a run adds to (bench_arrivals' add_to), checked to be of the
-    same sweep; a file not there yet starts one."""
+    same sweep (and, as any output, not an input nor a directory, in a place that can be written:
+    console.check_output); a file not there yet starts one."""
+    console.check_output("--add-to", path, inputs, replace=True)
     if not os.path.exists(path):
-        folder = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-            raise ValueError(
-                f"--add-to {path}: cannot write there; give a path in a writable folder"
-            )
         return []
     try:
         with open(path) as f:
