@@ -140,25 +140,34 @@ def bench_arrivals(
             row = dict(system=label, rate=rate, batch=Bz, requests=requests)
             rows.append(row | served_at_rate(serve_, reqs, cfg.n_layer, max_stall, tbt_target))
             print(rows[-1], flush=True)
+            if add_to:  # each rate kept as it ends (a call may be cut off by its time limit)
+                join_sweep(add_to, sweep, earlier, rows, requests, tbt_target, ttft_target)
             if rows[-1]["tbt_p99_s"] > tbt_target or rows[-1]["ttft_median_s"] > ttft_target:
                 break  # a higher rate only waits longer: the sweep stops at the first miss
         capacity.append(capacity_of(label, rows, requests, tbt_target, ttft_target))
         cache = model = decode = serve_ = None  # (the graph holds both)
         bench.free(torch.cuda.is_available())
-    if not add_to:
-        return dict(runs=rows, capacity=capacity)
+    if add_to:
+        rows, capacity = join_sweep(add_to, sweep, earlier, rows, requests, tbt_target, ttft_target)
+    return dict(runs=rows, capacity=capacity)
+
+
+def join_sweep(path, sweep, earlier, rows, requests, tbt_target, ttft_target):
+    """The file's earlier rows joined with this run's (a system's row at a rate replaced), the
+    capacities taken over all of them, the file replaced whole: written after every rate, so a
+    call cut off by a time limit keeps the rates it finished."""
     new = {(r["system"], r["rate"]) for r in rows}
     rows = [r for r in earlier if (r["system"], r["rate"]) not in new] + rows
     rows.sort(key=lambda r: (r["system"], r["rate"] or 0))
     systems_ = dict.fromkeys(r["system"] for r in rows if r["rate"])
     capacity = [capacity_of(s, rows, requests, tbt_target, ttft_target) for s in systems_]
     out = dict(sweep, date=time.strftime("%Y-%m-%d"), runs=rows, capacity=capacity)
-    part = f"{add_to}.{os.getpid()}.part"
-    os.makedirs(os.path.dirname(add_to), exist_ok=True)
+    part = f"{path}.{os.getpid()}.part"
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(part, "w") as f:
         json.dump(out, f, indent=1)
-    os.replace(part, add_to)  # whole, or as it was
-    return dict(runs=rows, capacity=capacity)
+    os.replace(part, path)  # whole, or as it was
+    return rows, capacity
 
 
 def capacity_of(label, rows, requests, tbt_target, ttft_target):

@@ -400,10 +400,12 @@ def test_arriving_workload_and_its_bench_small():
     assert all(r["compiles"] == 0 for r in tables["runs"])  # the warm-up compiled what serving ran
 
 
-def test_a_sweep_over_calls_joins_one_results_file(tmp_path):
+def test_a_sweep_over_calls_joins_one_results_file(tmp_path, monkeypatch):
     """bench arrivals --add-to: calls of one sweep join their rows in one file (a rate run again
     replaces its row) and the capacities are taken over all of them as one call's would be; a file
-    of another workload, or not a results file, is refused in one line before any work and kept."""
+    of another workload, or not a results file, is refused in one line before any work and kept;
+    a call cut off in a rate keeps the rates it finished."""
+    import bench.arrivals
     from bench.arrivals import bench_arrivals
 
     f = str(tmp_path / "sweep.json")
@@ -436,6 +438,20 @@ def test_a_sweep_over_calls_joins_one_results_file(tmp_path):
     with pytest.raises(ValueError, match="not a results file of bench arrivals"):
         bench_arrivals(rates=(50.0,), add_to=str(tmp_path / "other.json"), **kw)
     assert open(f).read() == before
+
+    served, calls = bench.arrivals.served_at_rate, []
+
+    def cut_off_at_the_second_rate(*a, **k):  # as a time limit kills a call
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return served(*a, **k)
+
+    monkeypatch.setattr(bench.arrivals, "served_at_rate", cut_off_at_the_second_rate)
+    g = str(tmp_path / "cut.json")
+    with pytest.raises(KeyboardInterrupt):
+        bench_arrivals(rates=(50.0, 100.0), systems=("full",), add_to=g, **kw)
+    assert [r["rate"] for r in json.load(open(g))["runs"]] == [50.0]
 
 
 def test_a_capacity_is_the_highest_rate_before_the_first_miss():
