@@ -85,7 +85,9 @@ def plot_requests(plt):
     return fig
 
 
-def plot_arrivals(plt, names=("arrivals_8b_128k.json", "arrivals_8b_32k.json")):
+def plot_arrivals(
+    plt, names=("arrivals_8b_128k_16.json", "arrivals_8b_128k.json", "arrivals_8b_32k.json")
+):
     """Requests arriving over time (python -m bench arrivals ... --json): time to first token
     (median) and time between tokens (p99) against the request rate, per system, with the targets
     that define a capacity; a row of panels a workload (the files that exist of `names`)."""
