@@ -88,7 +88,7 @@ def plot_requests(plt):
 def plot_arrivals(
     plt, names=("arrivals_8b_128k_16.json", "arrivals_8b_128k.json", "arrivals_8b_32k.json")
 ):
-    """Requests arriving over time (python -m bench arrivals ... --json): time to first token
+    """Requests arriving over time (python -m bench arrivals ... --add-to): time to first token
     (median) and time between tokens (p99) against the request rate, per system, with the targets
     that define a capacity; a row of panels a workload (the files that exist of `names`)."""
     files = [n for n in names if os.path.exists(os.path.join(RESULTS, n))]
@@ -245,7 +245,7 @@ def main():
         if name == "arrivals" and not os.path.exists(
             os.path.join(RESULTS, "arrivals_8b_128k.json")
         ):
-            continue  # not run yet (python -m bench arrivals ... --json it)
+            continue  # not run yet (python -m bench arrivals ... --add-to it)
         path = os.path.join(FIGURES, f"{name}.png")
         fn(plt).savefig(path, dpi=110)
         rows.append(dict(figure=os.path.relpath(path, ROOT)))
