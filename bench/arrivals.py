@@ -333,8 +333,8 @@ def flags(p):
     p.add_argument(
         "--add-to",
         metavar="FILE.json",
-        help="join the rows to this results file of the same sweep (workload, targets, GPU; made if "
-        "not there), the capacities taken over all its rows: a sweep over several calls",
+        help="join the rows to this results file of the same sweep (workload, targets, GPU; made "
+        "if not there), the capacities taken over all its rows: a sweep over several calls",
     )
 
 

@@ -70,8 +70,9 @@ def systems(dense, full, infllmv2, nosa):
 
 def load(path, over, head_off, dev):
     """A system's model, fp32: the checkpoint at its overrides, its eviction head turned off (A = 0:
-    no bias; in nosa also E flat, so the core is the most recent blocks) where asked. A dense checkpoint read as
-    NOSA (or nosa-hh, at the hh_recency asked) gets a head that is off: training-free."""
+    no bias; in nosa also E flat, so the core is the most recent blocks) where asked. A dense
+    checkpoint read as NOSA (or nosa-hh, at the hh_recency asked) gets a head that is off:
+    training-free."""
     if (
         over.get("attn") in ("nosa", "nosa-hh")
         and not checkpoint.read_config(path)[1].eviction_head
