@@ -276,81 +276,6 @@ def is_checkpoint(path):
     return os.path.isfile(os.path.join(located(path), "config.json"))
 
 
-def rope_from_hf(hf):
-    """(rope_theta, rope_scaling) from a Hugging Face config: the base and scaling at the top level
-    (rope_theta, rope_scaling: older tools) or in rope_parameters (current ones). Scalings other
-    than linear and llama3 change the computation in ways not implemented here, so they are refused."""
-    params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    kind = params.get("rope_type", params.get("type", "default"))
-    need = {
-        "default": (),
-        "linear": ("factor",),
-        "llama3": (
-            "factor",
-            "low_freq_factor",
-            "high_freq_factor",
-            "original_max_position_embeddings",
-        ),
-    }
-    if kind not in need:
-        raise ValueError(
-            f"RoPE scaling rope_type={kind!r} is not implemented (default, linear and llama3 are)"
-        )
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(
-            f"partial_rotary_factor={params['partial_rotary_factor']} is not implemented"
-        )
-    lacking = [key for key in need[kind] if key not in params]
-    if lacking:
-        raise ValueError(f"RoPE scaling {kind!r} lacks {', '.join(lacking)}")
-    scaling = {"rope_type": kind, **{key: float(params[key]) for key in need[kind]}}
-    return theta, (None if kind == "default" else scaling)
-
-
-def config_from_hf(hf, **overrides):
-    """A Hugging Face Llama config.json (dict) -> Config, on the paper's NOSA defaults (docs/METHOD.md §2).
-    Keys it leaves out take Hugging Face's documented defaults; anything this model does not
-    implement is refused by name rather than silently ignored."""
-    for key, ok in (
-        ("attention_bias", lambda v: not v),
-        ("mlp_bias", lambda v: not v),
-        ("hidden_act", lambda v: v == "silu"),
-        ("model_type", lambda v: v == "llama"),
-    ):
-        if key in hf and not ok(hf[key]):
-            raise ValueError(
-                f"{key}={hf[key]!r} is not supported by this Llama implementation (no biases, SwiGLU)"
-            )
-    for key in (
-        "num_attention_heads",
-        "hidden_size",
-        "num_hidden_layers",
-        "vocab_size",
-        "intermediate_size",
-    ):
-        v = hf.get(key)
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise ValueError(f"{key}={v!r}: a positive integer is needed")
-    rope_theta, rope_scaling = rope_from_hf(hf)
-    H_q = hf["num_attention_heads"]
-    shape = dict(
-        vocab_size=hf["vocab_size"],
-        n_layer=hf["num_hidden_layers"],
-        dim=hf["hidden_size"],
-        H_q=H_q,
-        H_kv=hf.get("num_key_value_heads") or H_q,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // H_q,
-        hidden_dim=hf["intermediate_size"],
-        max_seq_len=hf.get("max_position_embeddings", 2048),
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-    )
-    return Config.from_preset("paper", **{**shape, **overrides})
-
-
 @contextlib.contextmanager
 def weights_not_drawn():
     """Modules made without drawing initial weights, which the checkpoint's replace: drawn on the
@@ -507,7 +432,7 @@ def read_config(path, **overrides):
         with open(os.path.join(path, "config.json")) as f:
             raw = json.load(f)
         if "hidden_size" in raw:  # Hugging Face: documented defaults for the keys it leaves out
-            return raw, config_from_hf(raw, **overrides)
+            return raw, Config.from_hf(raw, **overrides)
         # this project's format writes every field: a missing one is an error, not a default
         lacking = [
             f.name for f in fields(Config) if f.name not in raw and f.name not in ADDED_LATER

@@ -1,5 +1,6 @@
 """
-The one configuration of a model: its Llama-style transformer and its NOSA selection, with presets.
+The one configuration of a model: its Llama-style transformer and its NOSA selection, with presets
+(Config.from_preset) or read from a Hugging Face Llama config.json (Config.from_hf).
 The symbols are the paper's (nosa.py's docstring and docs/METHOD.md §2 say what each means); every
 field is checked when a Config is made, so a bad config.json or --set fails in one line, here.
 """
@@ -189,8 +190,84 @@ class Config:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
         return replace(cls(**PRESETS[name]), **overrides)
 
+    @classmethod
+    def from_hf(cls, hf, **overrides):
+        """A Hugging Face Llama config.json (dict) -> Config, on the paper's NOSA defaults
+        (docs/METHOD.md §2). Keys it leaves out take Hugging Face's documented defaults; anything
+        this model does not implement is refused by name rather than silently ignored."""
+        for key, ok in (
+            ("attention_bias", lambda v: not v),
+            ("mlp_bias", lambda v: not v),
+            ("hidden_act", lambda v: v == "silu"),
+            ("model_type", lambda v: v == "llama"),
+        ):
+            if key in hf and not ok(hf[key]):
+                raise ValueError(
+                    f"{key}={hf[key]!r} is not supported by this Llama implementation (no "
+                    f"biases, SwiGLU)"
+                )
+        for key in (
+            "num_attention_heads",
+            "hidden_size",
+            "num_hidden_layers",
+            "vocab_size",
+            "intermediate_size",
+        ):
+            v = hf.get(key)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{key}={v!r}: a positive integer is needed")
+        rope_theta, rope_scaling = rope_from_hf(hf)
+        H_q = hf["num_attention_heads"]
+        shape = dict(
+            vocab_size=hf["vocab_size"],
+            n_layer=hf["num_hidden_layers"],
+            dim=hf["hidden_size"],
+            H_q=H_q,
+            H_kv=hf.get("num_key_value_heads") or H_q,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // H_q,
+            hidden_dim=hf["intermediate_size"],
+            max_seq_len=hf.get("max_position_embeddings", 2048),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        )
+        return cls.from_preset("paper", **{**shape, **overrides})
+
     def to_dict(self):
         return asdict(self)
+
+
+def rope_from_hf(hf):
+    """(rope_theta, rope_scaling) from a Hugging Face config: the base and scaling at the top level
+    (rope_theta, rope_scaling: older tools) or in rope_parameters (current ones). Scalings other
+    than linear and llama3 change the computation in ways not implemented here, so they are refused."""
+    params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    need = {
+        "default": (),
+        "linear": ("factor",),
+        "llama3": (
+            "factor",
+            "low_freq_factor",
+            "high_freq_factor",
+            "original_max_position_embeddings",
+        ),
+    }
+    if kind not in need:
+        raise ValueError(
+            f"RoPE scaling rope_type={kind!r} is not implemented (default, linear and llama3 are)"
+        )
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(
+            f"partial_rotary_factor={params['partial_rotary_factor']} is not implemented"
+        )
+    lacking = [key for key in need[kind] if key not in params]
+    if lacking:
+        raise ValueError(f"RoPE scaling {kind!r} lacks {', '.join(lacking)}")
+    scaling = {"rope_type": kind, **{key: float(params[key]) for key in need[kind]}}
+    return theta, (None if kind == "default" else scaling)
 
 
 PRESETS = {

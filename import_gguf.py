@@ -39,6 +39,7 @@ import torch
 
 import checkpoint
 import common
+from config import Config
 from model import Transformer
 
 NAMES = {  # GGUF tensor name (after "blk.N.") -> Hugging Face name (after "layers.N.")
@@ -126,7 +127,7 @@ def read(path):
 
 
 def hf_config(meta, tensors):
-    """The file's metadata as a Hugging Face Llama config (checkpoint.config_from_hf reads it)."""
+    """The file's metadata as a Hugging Face Llama config (Config.from_hf reads it)."""
     if "rope_freqs.weight" in tensors:
         raise ValueError(
             f"{meta.path}: rope_freqs.weight (per-frequency RoPE factors, as Llama 3.1 and later "
@@ -290,7 +291,7 @@ def import_gguf(path, dtype=torch.float32, **overrides):
     meta, tensors = read(path)
     hf = hf_config(meta, tensors)
     try:
-        cfg = checkpoint.config_from_hf(hf, **{"attn": "full", **overrides})
+        cfg = Config.from_hf(hf, **{"attn": "full", **overrides})
     except ValueError as e:  # the Config's own checks, of what the file says
         raise ValueError(f"{path}: {e}") from None
     tok, eos_ids, special = tokenizer_from_gguf(meta)

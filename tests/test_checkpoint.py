@@ -45,7 +45,7 @@ def write_hf_checkpoint(path, hf_config=HF_CONFIG, drop=None, add=None, reshape=
     """A random NOSA model saved as Hugging Face would: 'model.'-prefixed names, lm_head without,
     two shards and model.safetensors.index.json, config.json, tokenizer.json, tokenizer_config.json."""
     os.makedirs(path, exist_ok=True)
-    cfg = checkpoint.config_from_hf(HF_CONFIG, **SMALL_NOSA)
+    cfg = Config.from_hf(HF_CONFIG, **SMALL_NOSA)
     torch.manual_seed(1)
     model = Transformer(cfg)
     for m in model.modules():
@@ -184,24 +184,21 @@ LLAMA3 = {
 def test_hf_rope_layouts():
     """The RoPE base and scaling at the top level (older tools) or in rope_parameters (current ones)."""
     base = {k: v for k, v in HF_CONFIG.items() if k not in ("rope_theta", "rope_scaling")}
-    new = checkpoint.config_from_hf(
+    new = Config.from_hf(
         {**base, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}}
     )
-    old = checkpoint.config_from_hf({**base, "rope_theta": 500000.0})
+    old = Config.from_hf({**base, "rope_theta": 500000.0})
     assert (
         new.rope_theta == old.rope_theta == 500000.0
         and new.rope_scaling is old.rope_scaling is None
     )
-    scaled = checkpoint.config_from_hf({**base, "rope_parameters": {"rope_theta": 5e5, **LLAMA3}})
+    scaled = Config.from_hf({**base, "rope_parameters": {"rope_theta": 5e5, **LLAMA3}})
     assert (
         scaled.rope_scaling == {**LLAMA3, "original_max_position_embeddings": 256.0}
         and scaled.rope_theta == 5e5
     )
-    assert (
-        checkpoint.config_from_hf({**base, "rope_scaling": LLAMA3}).rope_scaling
-        == scaled.rope_scaling
-    )
-    assert checkpoint.config_from_hf(base).rope_theta == 10000.0  # Hugging Face's default
+    assert Config.from_hf({**base, "rope_scaling": LLAMA3}).rope_scaling == scaled.rope_scaling
+    assert Config.from_hf(base).rope_theta == 10000.0  # Hugging Face's default
 
 
 @pytest.mark.parametrize(
