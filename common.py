@@ -132,15 +132,15 @@ def start_processes(name=None):
     return rank, world, device
 
 
-def check_flags(o, finite=(), at_least=()):
+def check_flags(o, finite=(), at_least=None):
     """One line for the first flag of o (a script's Options) out of range: a number that must be
-    finite, or one below its least value (None: not given)."""
+    finite, or one below its least value (at_least: {name: least}; None: not given)."""
     flag = lambda name: f"--{name.replace('_', '-')} {getattr(o, name)}"
     for name in finite:
         value = getattr(o, name)
         if value is not None and not math.isfinite(value):
             raise ValueError(f"{flag(name)}: give a finite number")
-    for name, least in at_least:
+    for name, least in (at_least or {}).items():
         value = getattr(o, name)
         if value is not None and value < least:
             raise ValueError(f"{flag(name)}: must be at least {least}")

@@ -1,11 +1,14 @@
 """
 What generate.py reads from a person and shows them: prompt files and the chat template
 (read_prompt, chat_prompt), a single sequence's text as it comes (Printer), a long prefill's
-progress (PrefillProgress), and the files it writes, checked before any work and written whole
-(check_output, export_trace, with the profiler that makes the trace).
+progress (PrefillProgress), the greppable statistics (report, report_cache), and the files it
+reads and writes, checked before any work and written whole (check_output, export_trace with the
+profiler that makes the trace; a --requests file, parse_requests; served requests as they end,
+Served, with their --completions).
 """
 
 import contextlib
+import json
 import os
 import sys
 import time
@@ -13,6 +16,7 @@ import time
 import torch
 
 import checkpoint
+import tp
 
 
 def check_output(flag, path, inputs, replace):
@@ -152,3 +156,149 @@ def read_prompt(path, flag="--prompt-file"):
         raise ValueError(f"{flag} {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except OSError as e:
         raise FileNotFoundError(f"{flag} {path}: {e.strerror}") from None
+
+
+def report(cache, pl, ids, out, progress, *, offload, gpu_budget=None):
+    """generate.py's greppable lines: prefill, tokens/sec, then report_cache's."""
+    batch, chunk, on_host, device, t_end = len(ids), pl.chunk, pl.on_host, pl.device, progress.t_end
+    pre, ttft = progress.done[-1] - progress.t0, [t - progress.t0 for t in progress.done]
+    n_pre, n_tok = sum(map(len, ids)), sum(map(len, out)) - batch  # the first comes with prefill
+    print(
+        f"prefill: {n_pre} tokens in {pre:.2f} s ({n_pre / pre:.0f} tokens/s, chunks of {chunk}"
+        f"{', the residual stream in host memory' if on_host else ''}); time to first token "
+        f"{ttft[0]:.2f} s"
+        + (f" (the first prompt), {ttft[-1]:.2f} s (the last)" if batch > 1 else "")
+    )
+    dt = max(t_end - progress.done[-1], 1e-9)  # (no decode step with --max-new-tokens 1)
+    print(
+        f"tokens/sec: {n_tok / dt:.1f} ({n_tok} tokens in {dt:.2f} s after the first, batch "
+        f"{batch}, prompts of {min(map(len, ids))}-{max(map(len, ids))} tokens, "
+        f"{cache.cfg.attn}, {device})"
+    )
+    budget = f", budget {pl.gpu / 2**30:.2f} GiB" if gpu_budget else ""
+    report_cache(cache, device, offload, f" (weights {pl.weights / 2**30:.2f} GiB){budget}")
+
+
+def report_cache(cache, device, offload, note=""):
+    """The offload's statistics (every rank's heads, under torchrun) and the GPU memory's peak."""
+    if offload:
+        tp.gather_stats(cache.stats)
+        print(cache.stats.summary())
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 2**30
+        print(f"GPU memory: {peak:.2f} GiB at the peak{note}")
+
+
+class Served:
+    """What serving prints: as each request ends (call it with the request), its text (or a JSON
+    line in completions) and a line with its time to first token and tokens/s; totals() at the end.
+    As a context, the completions file is open (made when serving starts)."""
+
+    def __init__(self, tokenizer, reqs, names, completions=None, quiet=False):
+        self.tokenizer, self.reqs, self.names, self.quiet = tokenizer, reqs, names, quiet
+        self.number = {id(r): i for i, r in enumerate(reqs)}
+        self.jsonl = Completions(completions) if completions else None
+
+    def __enter__(self):
+        if self.jsonl:
+            self.jsonl.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.jsonl:
+            self.jsonl.__exit__(*exc)
+
+    def __call__(self, req):
+        i, text = self.number[id(req)], self.tokenizer.decode(req.out)
+        ttft, rate = req.t_first, req.tokens_per_s()
+        if self.jsonl:
+            line = dict(request=i, completion=text, new_tokens=len(req.out), ttft_s=ttft)
+            self.jsonl.write(dict(line, tokens_per_s=rate), self.names[i])
+        elif not self.quiet:
+            print(f"--- request {i} ---\n{self.tokenizer.decode(req.ids)}{text}\n---")
+        print(
+            f"request {i}: {len(req.ids)} prompt tokens, {len(req.out)} new; first token after "
+            f"{ttft:.2f} s, then {rate:.1f} tokens/s"
+        )
+
+    def totals(self, seconds, n_seq, attn, device):
+        ttft, n_tok = sorted(r.t_first for r in self.reqs), sum(len(r.out) for r in self.reqs)
+        print(
+            f"served: {len(self.reqs)} requests over {n_seq} sequences in {seconds:.2f} s, {n_tok} "
+            f"new tokens ({n_tok / seconds:.1f} tokens/s); time to first token: median "
+            f"{ttft[len(ttft) // 2]:.2f} s, p90 {ttft[(9 * len(ttft)) // 10]:.2f} s, max "
+            f"{ttft[-1]:.2f} s ({attn}, {device})"
+        )
+
+
+# -----------------------------------------------------------------------------
+# Request files and completions (--requests, --completions)
+
+
+def parse_requests(text, path):
+    """--requests FILE's text: a prompt a line, or JSON lines (where the first line that is not
+    blank is a JSON object): an object a line with "prompt" and optionally "max_new_tokens". Lines
+    end at newlines only (a form feed or U+2028 belongs to its line). Returns [(text,
+    max_new_tokens or None, line number)]; blank lines are skipped."""
+    lines = [(n, s.removesuffix("\r")) for n, s in enumerate(text.split("\n"), 1) if s.strip()]
+    if not lines:
+        raise ValueError(f"--requests {path}: no request in it; give a prompt a line")
+    jsonl = isinstance(json_or_none(lines[0][1]), dict)
+    out = []
+    for n, line in lines:
+        if not jsonl:
+            out.append((line, None, n))
+            continue
+        r = json_or_none(line)
+        new = r.get("max_new_tokens") if isinstance(r, dict) else None
+        if (
+            not isinstance(r, dict)
+            or not isinstance(r.get("prompt"), str)
+            or not (new is None or type(new) is int and new >= 1)
+        ):
+            raise ValueError(
+                f'--requests {path}, line {n}: give a JSON object with a "prompt" text and '
+                f'optionally a "max_new_tokens" of 1 or more ({line[:60]})'
+            )
+        out.append((r["prompt"], new, n))
+    return out
+
+
+def json_or_none(line):
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        return None
+
+
+class Completions:
+    """--completions FILE: a JSON line per request as it ends, each line whole. The file is made
+    when serving starts; where a write fails (a full disk) the cut line is taken back off and one
+    line says which request it stopped at."""
+
+    def __init__(self, path):
+        self.path, self.f, self.n = path, None, 0
+
+    def __enter__(self):
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        self.f = open(self.path, "wb")
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+    def write(self, obj, name):
+        at = self.f.tell()
+        try:
+            self.f.write((json.dumps(obj) + "\n").encode())
+            self.f.flush()
+        except OSError as e:
+            try:
+                self.f.truncate(at)
+            except OSError:
+                pass
+            raise OSError(
+                f"--completions {self.path}: could not write the completion of {name} "
+                f"({e.strerror}); the file holds the {self.n} before it, each line whole"
+            ) from None
+        self.n += 1

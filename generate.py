@@ -14,7 +14,6 @@ JSON line in --completions, with its time to first token and tokens/s.
 """
 
 import argparse
-import contextlib
 import os
 import sys
 import time
@@ -33,7 +32,7 @@ import serve
 import tp
 from config import Config
 from kvcache import KVCache
-from model import Transformer
+from model import random_model
 from prefill import prefill
 
 PROMPT_FILE = os.path.join(checkpoint.ROOT, "prompt.txt")  # about 400 tokens: sparsity at work
@@ -159,20 +158,9 @@ class Options:
         common.check_flags(
             self,
             finite=("temperature", "gpu_budget", "host_budget", "max_stall"),
-            at_least=(
-                ("batch", 1),
-                ("max_new_tokens", 1),
-                ("top_k", 0),
-                ("temperature", 0),
-                ("prompt_len", 1),
-                ("chunk", 1),
-                ("micro_batches", 1),
-                ("prefill_budget", 1),
-                ("max_stall", 1),
-                ("gpu_budget", 1e-9),
-                ("host_budget", 1e-9),
-            ),
-        )
+            at_least=dict(batch=1, max_new_tokens=1, top_k=0, temperature=0, prompt_len=1, chunk=1,
+                micro_batches=1, prefill_budget=1, max_stall=1, gpu_budget=1e-9, host_budget=1e-9),
+        )  # fmt: skip
         if not 0 <= self.seed < 2**63:
             raise ValueError(f"--seed {self.seed}: give a whole number from 0 to 2^63 - 1")
         if self.compile not in ("auto", "on", "off"):
@@ -197,7 +185,7 @@ def main(**flags):
         sys.stdout = open(os.devnull, "w")
     requests = []  # the file read and checked before the model is loaded
     if o.requests:
-        requests = serve.parse_requests(console.read_prompt(o.requests, "--requests"), o.requests)
+        requests = console.parse_requests(console.read_prompt(o.requests, "--requests"), o.requests)
     n_prompts = 1 if isinstance(o.prompt, str) else max(len(o.prompt or []), 1)  # or prompt.txt
     if o.completions and not (o.requests or o.batch and o.batch < n_prompts):
         raise ValueError(
@@ -266,7 +254,7 @@ def main(**flags):
         for i, seq in enumerate(out):  # the prompt as the model read it (--prompt-len cuts it)
             print(f"--- sample {i} ---\n{tokenizer.decode(ids[i])}{tokenizer.decode(seq)}")
         print("---")
-    report(o, cache, pl, ids, out, progress)
+    console.report(cache, pl, ids, out, progress, offload=o.offload, gpu_budget=o.gpu_budget)
     console.export_trace(prof, o.profile)
     return out
 
@@ -333,7 +321,7 @@ def load(o, device, dtype):
 def encode(o, model, tokenizer, requests=()):
     """The prompts' texts (in the chat template with --chat), their token ids (cycled to
     --prompt-len tokens where asked), their max_new_tokens and their names in messages:
-    --prompt's, then the requests' (serve.parse_requests)."""
+    --prompt's, then the requests' (console.parse_requests)."""
     prompts = [o.prompt] if isinstance(o.prompt, str) else list(o.prompt or [])
     news = [o.max_new_tokens] * len(prompts)
     names = [f"prompt {i + 1}" for i in range(len(prompts))]
@@ -381,112 +369,26 @@ def speed_up(o, model, pl, ids):
     return micro
 
 
-def report(o, cache, pl, ids, out, progress):
-    """The greppable lines: prefill, tokens/sec, the offload's statistics, GPU memory."""
-    batch, chunk, on_host, device, t_end = len(ids), pl.chunk, pl.on_host, pl.device, progress.t_end
-    pre, ttft = progress.done[-1] - progress.t0, [t - progress.t0 for t in progress.done]
-    n_pre, n_tok = sum(map(len, ids)), sum(map(len, out)) - batch  # the first comes with prefill
-    print(
-        f"prefill: {n_pre} tokens in {pre:.2f} s ({n_pre / pre:.0f} tokens/s, chunks of {chunk}"
-        f"{', the residual stream in host memory' if on_host else ''}); time to first token "
-        f"{ttft[0]:.2f} s"
-        + (f" (the first prompt), {ttft[-1]:.2f} s (the last)" if batch > 1 else "")
-    )
-    dt = max(t_end - progress.done[-1], 1e-9)  # (no decode step with --max-new-tokens 1)
-    print(
-        f"tokens/sec: {n_tok / dt:.1f} ({n_tok} tokens in {dt:.2f} s after the first, batch "
-        f"{batch}, prompts of {min(map(len, ids))}-{max(map(len, ids))} tokens, "
-        f"{cache.cfg.attn}, {device})"
-    )
-    if o.offload:
-        tp.gather_stats(cache.stats)  # every rank's heads, under torchrun
-        print(cache.stats.summary())
-    if device.type == "cuda":
-        print(
-            f"GPU memory: {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB at the peak "
-            f"(weights {pl.weights / 2**30:.2f} GiB)"
-            + (f", budget {pl.gpu / 2**30:.2f} GiB" if o.gpu_budget else "")
-        )
-
-
 def serve_requests(o, model, tokenizer, cache, pl, requests):
     """requests [(token ids, max_new_tokens, name)] served by continuous batching (serve.py), in
     order: as each ends, its text (or a JSON line in --completions) and a line with its time to
-    first token and tokens/s; then the totals. Returns the new tokens of each."""
-    device, names = pl.device, [name for _, _, name in requests]
+    first token and tokens/s (console.Served); then the totals. Returns the new tokens of each."""
     reqs = [serve.Request(p, n) for p, n, _ in requests]
-    number = {id(r): i for i, r in enumerate(reqs)}
-    jsonl = serve.Completions(o.completions) if o.completions else None
-
-    def done(req):
-        i, text = number[id(req)], tokenizer.decode(req.out)
-        ttft, rate = req.t_first, req.tokens_per_s()
-        if jsonl:
-            line = dict(request=i, completion=text, new_tokens=len(req.out), ttft_s=ttft)
-            jsonl.write(dict(line, tokens_per_s=rate), names[i])
-        elif not o.quiet:
-            print(f"--- request {i} ---\n{tokenizer.decode(req.ids)}{text}\n---")
-        print(
-            f"request {i}: {len(req.ids)} prompt tokens, {len(req.out)} new; first token after "
-            f"{ttft:.2f} s, then {rate:.1f} tokens/s"
-        )
-
-    pick = o.sampling
+    names = [name for _, _, name in requests]
     budget = serve.Budget(model.cfg.n_layer, o.prefill_budget, o.max_stall)
+    served = console.Served(tokenizer, reqs, names, o.completions, o.quiet)
     t0 = time.perf_counter()
-    with jsonl or contextlib.nullcontext(), console.profiler(o.profile, device) as prof:
+    with served, console.profiler(o.profile, pl.device) as prof:
         decode = fast.GraphedDecode(model, cache, pl.micro)
         serve.serve(
-            model,
-            reqs,
-            cache,
-            pick,
-            eos_ids=model.eos_ids,
-            chunk=pl.chunk,
-            on_host=pl.on_host,
-            decode=decode,
-            budget=budget,
-            on_done=done,
-        )
-    total, ttft = time.perf_counter() - t0, sorted(r.t_first for r in reqs)
+            model, reqs, cache, o.sampling, eos_ids=model.eos_ids, chunk=pl.chunk,
+            on_host=pl.on_host, decode=decode, budget=budget, on_done=served,
+        )  # fmt: skip
+    served.totals(time.perf_counter() - t0, len(cache.len), model.cfg.attn, pl.device)
     console.export_trace(prof, o.profile)
-    n_tok = sum(len(r.out) for r in reqs)
-    print(
-        f"served: {len(reqs)} requests over {len(cache.len)} sequences in {total:.2f} s, {n_tok} new "
-        f"tokens ({n_tok / total:.1f} tokens/s); time to first token: median "
-        f"{ttft[len(ttft) // 2]:.2f} s, p90 {ttft[(9 * len(ttft)) // 10]:.2f} s, max "
-        f"{ttft[-1]:.2f} s ({model.cfg.attn}, {device})"
-    )
     print(budget.summary())
-    if o.offload:
-        tp.gather_stats(cache.stats)  # every rank's heads, under torchrun
-        print(cache.stats.summary())
-    if device.type == "cuda":
-        print(f"GPU memory: {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB at the peak")
+    console.report_cache(cache, pl.device, o.offload)
     return [r.out for r in reqs]
-
-
-def random_model(cfg, device, dtype):
-    """A randomly initialised model, made where it runs and in its dtype (an 8B one takes 16 GB);
-    a MemoryError first where its weights do not fit the memory there is."""
-    with torch.device("meta"):
-        need = sum(p.numel() for p in Transformer(cfg).parameters()) * dtype.itemsize
-    device = torch.device(device)
-    have = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else memory.mem_available()
-    if have is not None and need > have:
-        raise MemoryError(
-            f"a random model of this shape takes {memory.gib(need)} of weights in "
-            f"{dtype}, and {memory.gib(have)} is free on {device}: choose a smaller "
-            f"preset (tiny, paper) or a machine with more memory"
-        )
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = Transformer(cfg)
-    finally:
-        torch.set_default_dtype(default)
-    return model.eval()
 
 
 def cli(argv=None):
@@ -529,10 +431,7 @@ def cli(argv=None):
     add("--top-k", type=int, help="sample among the k most likely tokens (0: all)")
     add("--offload", action="store_true", help="keep the KV cache in host memory (NOSI)")
     add("--device", help="cuda or cpu (default: cuda when available)")
-    add(
-        "--seed",
-        type=int,
-    )
+    add("--seed", type=int, help="seed of the sampling and of a --random model's weights")
     add("--quiet", action="store_true", help="print only the statistics, not the text")
     add("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
     add("--profile", metavar="TRACE.json", help="write a profiler trace of the generation")

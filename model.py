@@ -12,6 +12,7 @@ Two paths through every attention layer compute the same function:
 check that their logits are equal; that is the whole promise of NOSA (no training / inference
 mismatch). Checkpoints name the parameters as Hugging Face Llama does, so released NOSA checkpoints
 map onto this model one to one (checkpoint.py); q, k, v and gate, up are each one Linear here.
+random_model makes one of any preset without a checkpoint, to try shapes and speed.
 """
 
 import torch
@@ -19,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import eviction
+import memory
 import nosa
 from common import fp32
 
@@ -223,3 +225,26 @@ class Transformer(nn.Module):
                 f"prompt + max_new_tokens = {prompt_len + max_new_tokens} tokens exceeds max_seq_len="
                 f"{self.cfg.max_seq_len}; shorten the prompt or generate fewer tokens"
             )
+
+
+def random_model(cfg, device, dtype):
+    """A randomly initialised model, made where it runs and in its dtype (an 8B one takes 16 GB);
+    a MemoryError first where its weights do not fit the memory there is."""
+    with torch.device("meta"):
+        need = sum(p.numel() for p in Transformer(cfg).parameters()) * dtype.itemsize
+    device = torch.device(device)
+    have = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else memory.mem_available()
+    if have is not None and need > have:
+        raise MemoryError(
+            f"a random model of this shape takes {memory.gib(need)} of weights in "
+            f"{dtype}, and {memory.gib(have)} is free on {device}: choose a smaller "
+            f"preset (tiny, paper) or a machine with more memory"
+        )
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Transformer(cfg)
+    finally:
+        torch.set_default_dtype(default)
+    return model.eval()

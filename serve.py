@@ -25,8 +25,6 @@ Each turn of the loop:
   5. a prefill that has run to its end: its sequence starts (Parked.start) with the prompt's next token
 """
 
-import json
-import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -349,76 +347,3 @@ def serve(model, requests, cache, pick, *, eos_ids=(), chunk=None, on_host=False
         if cuda:
             torch.cuda.current_stream().synchronize()
     return requests
-
-
-# -----------------------------------------------------------------------------
-# Request files and completions (generate.py --requests, --completions)
-
-
-def parse_requests(text, path):
-    """--requests FILE's text: a prompt a line, or JSON lines (where the first line that is not
-    blank is a JSON object): an object a line with "prompt" and optionally "max_new_tokens". Lines
-    end at newlines only (a form feed or U+2028 belongs to its line). Returns [(text,
-    max_new_tokens or None, line number)]; blank lines are skipped."""
-    lines = [(n, s.removesuffix("\r")) for n, s in enumerate(text.split("\n"), 1) if s.strip()]
-    if not lines:
-        raise ValueError(f"--requests {path}: no request in it; give a prompt a line")
-    jsonl = isinstance(json_or_none(lines[0][1]), dict)
-    out = []
-    for n, line in lines:
-        if not jsonl:
-            out.append((line, None, n))
-            continue
-        r = json_or_none(line)
-        new = r.get("max_new_tokens") if isinstance(r, dict) else None
-        if (
-            not isinstance(r, dict)
-            or not isinstance(r.get("prompt"), str)
-            or not (new is None or type(new) is int and new >= 1)
-        ):
-            raise ValueError(
-                f'--requests {path}, line {n}: give a JSON object with a "prompt" text and '
-                f'optionally a "max_new_tokens" of 1 or more ({line[:60]})'
-            )
-        out.append((r["prompt"], new, n))
-    return out
-
-
-def json_or_none(line):
-    try:
-        return json.loads(line)
-    except json.JSONDecodeError:
-        return None
-
-
-class Completions:
-    """--completions FILE: a JSON line per request as it ends, each line whole. The file is made
-    when serving starts; where a write fails (a full disk) the cut line is taken back off and one
-    line says which request it stopped at."""
-
-    def __init__(self, path):
-        self.path, self.f, self.n = path, None, 0
-
-    def __enter__(self):
-        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-        self.f = open(self.path, "wb")
-        return self
-
-    def __exit__(self, *exc):
-        self.f.close()
-
-    def write(self, obj, name):
-        at = self.f.tell()
-        try:
-            self.f.write((json.dumps(obj) + "\n").encode())
-            self.f.flush()
-        except OSError as e:
-            try:
-                self.f.truncate(at)
-            except OSError:
-                pass
-            raise OSError(
-                f"--completions {self.path}: could not write the completion of {name} "
-                f"({e.strerror}); the file holds the {self.n} before it, each line whole"
-            ) from None
-        self.n += 1

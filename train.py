@@ -114,14 +114,8 @@ class Options:
         common.check_flags(
             self,
             finite=("lr", "weight_decay", "grad_clip", "evict_lr_mult", "tasks", "answer_weight"),
-            at_least=(
-                ("steps", 1),
-                ("batch_size", 1),
-                ("seq_len", 1),
-                ("eval_every", 1),
-                ("log_every", 1),
-                ("warmup", 0),
-                ("stop_at", 1),
+            at_least=dict(
+                steps=1, batch_size=1, seq_len=1, eval_every=1, log_every=1, warmup=0, stop_at=1
             ),
         )
         if not self.evict_lr_mult >= 0:

@@ -33,7 +33,7 @@ def read_lengths(path):
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if line.strip():
-                r = serve.json_or_none(line)
+                r = console.json_or_none(line)
                 ok = isinstance(r, dict) and all(
                     type(r.get(k)) is int and r[k] >= 1 for k in ("prompt_len", "new_tokens")
                 )

@@ -19,7 +19,7 @@ import offload_kernels
 from bench import SHAPES
 from bench.throughput import fill_random
 from config import Config
-from generate import random_model
+from model import random_model
 
 
 def union(spans):

@@ -56,7 +56,7 @@ def system(name, shape, max_len, requests, prompt_len, budgets, *, served=False)
     shape (its small operations compiled for prefill and decode on a GPU) and (label, use_offload,
     batch, chunk, stream_on_host). budgets: GPU and host bytes."""
     from fast import compile_model
-    from generate import random_model
+    from model import random_model
 
     label, attn, use_offload = SYSTEMS[name]
     cuda = torch.cuda.is_available()

@@ -16,7 +16,7 @@ import tp as tp_
 from bench import SHAPES, SYSTEMS, hbm_bandwidth, pinned_bandwidth
 from bench.quality import trained_path
 from config import Config
-from generate import random_model
+from model import random_model
 from prefill import prefill
 
 PHASES = ("weights", "selection", "transfer", "attention")

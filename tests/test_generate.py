@@ -241,10 +241,11 @@ def test_prefill_and_decode_stay_within_the_memory_model():
     import memory
     import offload
     from config import Config
+    from model import random_model
     from prefill import prefill
 
     cfg = Config.from_preset("paper", n_layer=2, vocab_size=32000)
-    model = fast.compile_model(generate.random_model(cfg, "cuda", torch.bfloat16), prefill=True)
+    model = fast.compile_model(random_model(cfg, "cuda", torch.bfloat16), prefill=True)
     P, C = 16384, 2048
     cache = offload.OffloadCache(cfg, 2, "cuda", torch.bfloat16, max_len=P + 64)
     idx = torch.randint(0, 32000, (1, P), device="cuda")

@@ -12,7 +12,6 @@ import torch
 import checkpoint
 import console
 import generate
-import serve
 import train
 from config import Config
 from model import Transformer
@@ -112,7 +111,7 @@ def test_a_full_disk_leaves_whole_completion_lines(tmp_path, monkeypatch):
     """The second line fails to write (a full disk): the file keeps the first whole line only,
     and the one-line error names the request it stopped at."""
     path = tmp_path / "c.jsonl"
-    with serve.Completions(str(path)) as c:
+    with console.Completions(str(path)) as c:
         c.write({"request": 0, "completion": "a"}, "request 0 (line 1 of r.jsonl)")
         real = c.f.write
 
@@ -167,13 +166,13 @@ def test_out_through_a_symbolic_link(tmp_path):
 def test_json_lines_are_known_by_their_content(tmp_path, name):
     path = tmp_path / name
     path.write_text('{"prompt": "a\u2028b\u0085c", "max_new_tokens": 7}\n\n{"prompt": "x"}\n')
-    got = serve.parse_requests(path.read_text(), str(path))
+    got = console.parse_requests(path.read_text(), str(path))
     assert got == [("a\u2028b\u0085c", 7, 1), ("x", None, 3)]
 
 
 def test_plain_text_requests_split_at_newlines_only(tmp_path):
     text = "first\fstill first\nsecond\u2028line\r\n\nthird\n"
-    assert serve.parse_requests(text, "r.txt") == [
+    assert console.parse_requests(text, "r.txt") == [
         ("first\fstill first", None, 1),
         ("second\u2028line", None, 2),
         ("third", None, 4),
