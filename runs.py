@@ -4,10 +4,12 @@ or the model's it starts from or continues), where it writes (check_out: never o
 files, one run per --out), what fits (check_fits), its record (run_record: the corpus and the flags
 a resume must match), its data (load_data: the token streams, made once per corpus and tokenizer),
 and where it starts from: another model's weights (start_from, --init-from) or the saved run's
-weights and optimizer state (resume). Every check says what to do in one line, before any work.
+weights and optimizer state (resume). Every check, the flags' first (check_options), says what to
+do in one line, before any work.
 """
 
 import json
+import math
 import os
 import sysconfig
 from dataclasses import replace
@@ -16,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
+import common
 import fsdp
 from config import Config
 from data import STDLIB_CORPUS, corpus_id, prepare, streams_dir, tokens
@@ -30,6 +33,75 @@ SHAPE_FIELDS = (
     "hidden_dim",
     "tie_embeddings",
 )
+
+
+def check_options(o):
+    """One line for a flag of train.py out of range, or flags that cannot go together, before any
+    work; then --out and --data-dir resolved (the lock, saves and messages agree on them)."""
+    common.check_flags(
+        o,
+        finite=("lr", "weight_decay", "grad_clip", "evict_lr_mult", "tasks", "answer_weight"),
+        at_least=dict(
+            steps=1, batch_size=1, seq_len=1, eval_every=1, log_every=1, warmup=0, stop_at=1
+        ),
+    )
+    if not o.evict_lr_mult >= 0:
+        raise ValueError(f"--evict-lr-mult {o.evict_lr_mult}: 0 or more (0: the head stays off)")
+    if o.evict_lr_mult == 0 and (o.head_warmup or o.head_distill):
+        raise ValueError(
+            "--evict-lr-mult 0 keeps the eviction head off, which --head-warmup and "
+            "--head-distill would teach: give a positive --evict-lr-mult, or drop them"
+        )
+    if not o.lr > 0:
+        raise ValueError(f"--lr {o.lr}: must be positive")
+    if not 0 <= o.head_warmup < o.steps:
+        raise ValueError(
+            f"--head-warmup {o.head_warmup}: the first steps of the run's --steps "
+            f"{o.steps}, from 0 to {o.steps - 1}"
+        )
+    if not (math.isfinite(o.head_distill) and o.head_distill >= 0):
+        raise ValueError(f"--head-distill {o.head_distill}: a weight of at least 0")
+    if (o.head_warmup or o.head_distill) and o.attn not in ("nosa", "dma"):
+        raise ValueError(
+            f"--head-warmup and --head-distill teach the eviction head, which --attn "
+            f"{o.attn} lacks: use --attn nosa (or dma)"
+        )
+    if o.head_target not in ("mass", "output"):
+        raise ValueError(f"--head-target {o.head_target!r}: mass or output")
+    if o.head_target != "mass" and not (o.head_warmup or o.head_distill):
+        raise ValueError(
+            f"--head-target {o.head_target}: what --head-warmup or --head-distill "
+            f"teaches; give one of them, or drop --head-target"
+        )
+    if o.head_warmup and o.fsdp:
+        raise ValueError(
+            "--head-warmup with --fsdp: a warm-up step's forward runs without gradient, "
+            "which sharded parameters cannot learn from; warm the head up without --fsdp"
+        )
+    if not 0 <= o.tasks <= 1:
+        raise ValueError(f"--tasks {o.tasks}: a fraction of the training windows, from 0 to 1")
+    if not o.answer_weight > 0 or (o.answer_weight != 1.0 and not o.tasks):
+        raise ValueError(
+            f"--answer-weight {o.answer_weight}: a positive weight of the "
+            f"tasks' answers, with --tasks"
+        )
+    if not 0 <= o.seed < 2**63:
+        raise ValueError(f"--seed {o.seed}: give a whole number from 0 to 2^63 - 1")
+    if o.data_dir and os.path.isfile(o.data_dir):
+        raise ValueError(
+            f"--data-dir {o.data_dir} is a file; give a directory (the cache of token streams)"
+        )
+    if o.fsdp and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        raise ValueError(
+            "--fsdp shards the model over processes: run it under torchrun "
+            "--nproc_per_node=N (N >= 2)"
+        )
+    if o.init_from and o.resume:
+        raise ValueError("--init-from starts a new run; --resume continues one: give one of them")
+    common.pick_device(o.device)  # a device this torch lacks fails here
+    o.out = o.out or os.path.join(checkpoint.ROOT, "out", f"{o.preset}-{o.attn}")
+    o.out = os.path.realpath(o.out)  # resolved once: the lock, saves and messages agree
+    o.data_dir = o.data_dir or os.path.join(checkpoint.ROOT, "data")
 
 
 def configure(o, overrides):

@@ -10,7 +10,7 @@ library's own source and its pydoc topics, read from the running interpreter. No
 
 The sparse pattern is the same in training and in decoding (nosa.py), so the model learns to use
 exactly the blocks it will see at inference. This file holds the loop; what a run settles before
-its first step (its config, --out, data, --init-from, --resume) is in runs.py, FSDP2 in fsdp.py,
+its first step (its flags, config, --out, data, --init-from, --resume) is in runs.py, FSDP2 in fsdp.py,
 checkpoints in checkpoint.py.
 """
 
@@ -77,7 +77,8 @@ def evaluate(model, val, batch_size, T, device, n_batches=8):
 
 @dataclass
 class Options:
-    """The flags of `python train.py` (cli says what each does); Config fields go apart (--set)."""
+    """The flags of `python train.py` (cli says what each does, runs.check_options checks them);
+    Config fields go apart (--set)."""
 
     preset: str = "tiny"
     attn: str = "nosa"
@@ -109,79 +110,6 @@ class Options:
     head_distill: float = 0.0  # after them, this times the head's distillation loss beside the LM's
     head_target: str = "mass"  # what the head is taught: a block's attention mass, or output change
 
-    def check(self):
-        """One line for a flag out of range, before any work."""
-        common.check_flags(
-            self,
-            finite=("lr", "weight_decay", "grad_clip", "evict_lr_mult", "tasks", "answer_weight"),
-            at_least=dict(
-                steps=1, batch_size=1, seq_len=1, eval_every=1, log_every=1, warmup=0, stop_at=1
-            ),
-        )
-        if not self.evict_lr_mult >= 0:
-            raise ValueError(
-                f"--evict-lr-mult {self.evict_lr_mult}: 0 or more (0: the head stays off)"
-            )
-        if self.evict_lr_mult == 0 and (self.head_warmup or self.head_distill):
-            raise ValueError(
-                "--evict-lr-mult 0 keeps the eviction head off, which --head-warmup and "
-                "--head-distill would teach: give a positive --evict-lr-mult, or drop them"
-            )
-        if not self.lr > 0:
-            raise ValueError(f"--lr {self.lr}: must be positive")
-        if not 0 <= self.head_warmup < self.steps:
-            raise ValueError(
-                f"--head-warmup {self.head_warmup}: the first steps of the run's --steps "
-                f"{self.steps}, from 0 to {self.steps - 1}"
-            )
-        if not (math.isfinite(self.head_distill) and self.head_distill >= 0):
-            raise ValueError(f"--head-distill {self.head_distill}: a weight of at least 0")
-        if (self.head_warmup or self.head_distill) and self.attn not in ("nosa", "dma"):
-            raise ValueError(
-                f"--head-warmup and --head-distill teach the eviction head, which --attn "
-                f"{self.attn} lacks: use --attn nosa (or dma)"
-            )
-        if self.head_target not in ("mass", "output"):
-            raise ValueError(f"--head-target {self.head_target!r}: mass or output")
-        if self.head_target != "mass" and not (self.head_warmup or self.head_distill):
-            raise ValueError(
-                f"--head-target {self.head_target}: what --head-warmup or --head-distill "
-                f"teaches; give one of them, or drop --head-target"
-            )
-        if self.head_warmup and self.fsdp:
-            raise ValueError(
-                "--head-warmup with --fsdp: a warm-up step's forward runs without gradient, "
-                "which sharded parameters cannot learn from; warm the head up without --fsdp"
-            )
-        if not 0 <= self.tasks <= 1:
-            raise ValueError(
-                f"--tasks {self.tasks}: a fraction of the training windows, from 0 to 1"
-            )
-        if not self.answer_weight > 0 or (self.answer_weight != 1.0 and not self.tasks):
-            raise ValueError(
-                f"--answer-weight {self.answer_weight}: a positive weight of the "
-                f"tasks' answers, with --tasks"
-            )
-        if not 0 <= self.seed < 2**63:
-            raise ValueError(f"--seed {self.seed}: give a whole number from 0 to 2^63 - 1")
-        if self.data_dir and os.path.isfile(self.data_dir):
-            raise ValueError(
-                f"--data-dir {self.data_dir} is a file; give a directory (the cache of token streams)"
-            )
-        if self.fsdp and int(os.environ.get("WORLD_SIZE", "1")) == 1:
-            raise ValueError(
-                "--fsdp shards the model over processes: run it under torchrun "
-                "--nproc_per_node=N (N >= 2)"
-            )
-        if self.init_from and self.resume:
-            raise ValueError(
-                "--init-from starts a new run; --resume continues one: give one of them"
-            )
-        common.pick_device(self.device)  # a device this torch lacks fails here
-        self.out = self.out or os.path.join(checkpoint.ROOT, "out", f"{self.preset}-{self.attn}")
-        self.out = os.path.realpath(self.out)  # resolved once: the lock, saves and messages agree
-        self.data_dir = self.data_dir or os.path.join(checkpoint.ROOT, "data")
-
 
 def main(**flags):
     """Train; returns (model, last validation loss). Flags: Options, and Config fields (tests use
@@ -191,7 +119,7 @@ def main(**flags):
     corpus: train on the token streams already prepared for that corpus id in data_dir."""
     names = {f.name for f in fields(Options)}
     o = Options(**{k: v for k, v in flags.items() if k in names})
-    o.check()
+    runs.check_options(o)
     cfg, init = runs.configure(o, {k: v for k, v in flags.items() if k not in names})
     state = runs.check_out(o)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -448,10 +376,7 @@ def cli(argv=None):
     p.add_argument("--lr", type=float, help="peak learning rate")
     p.add_argument("--warmup", type=int, help="warm-up steps")
     p.add_argument("--eval-every", type=int, help="validate and checkpoint every N steps")
-    p.add_argument(
-        "--seed",
-        type=int,
-    )
+    p.add_argument("--seed", type=int, help="seed of the weights, the batches and the tasks")
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     p.add_argument("--resume", action="store_true", help="continue the run saved in --out")
     p.add_argument(

@@ -12,6 +12,7 @@ import torch
 import checkpoint
 import console
 import generate
+import runs
 import train
 from config import Config
 from model import Transformer
@@ -142,7 +143,7 @@ def test_out_through_a_symbolic_link(tmp_path):
     link.symlink_to(real, target_is_directory=True)
     model, tok = tiny(), checkpoint.byte_tokenizer()
     o = train.Options(out=str(link), device="cpu")
-    o.check()
+    runs.check_options(o)
     assert o.out == str(real)
     for _ in range(2):
         checkpoint.save(model, tok, o.out)
@@ -150,7 +151,7 @@ def test_out_through_a_symbolic_link(tmp_path):
     assert not (tmp_path / "link.old").exists() and not (tmp_path / "link.tmp").exists()
     lock = checkpoint.hold(o.out)
     o2 = train.Options(out=str(real), device="cpu")
-    o2.check()
+    runs.check_options(o2)
     with pytest.raises(ValueError, match="another run"):
         checkpoint.hold(o2.out)
     lock.close()
