@@ -28,7 +28,7 @@ Q4_0, Q4_1, Q5_0, Q5_1, the K-quants Q2_K ... Q6_K and others) and stored in fp3
 says otherwise. The tokenizer (BPE vocabulary, merges, pre-tokenizer, special tokens), the end-of-
 sequence ids and the chat template are rebuilt from the file's metadata for `tokenizers`; no
 transformers is needed. Every malformed file is one line before anything is written, and the
-checkpoint is written atomically (checkpoint.save).
+checkpoint is written atomically (saving.save).
 """
 
 import argparse
@@ -39,6 +39,7 @@ import torch
 
 import checkpoint
 import common
+import saving
 from config import Config
 from model import Transformer
 
@@ -315,8 +316,8 @@ def main(gguf, out, dtype="fp32", force=False):
         raise FileExistsError(f"--out {out} already holds a checkpoint; --force replaces it")
     dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     model, tok = import_gguf(gguf, dt)  # the whole file read and checked: nothing written yet
-    checkpoint.check_out(out)
-    checkpoint.save(model, tok, out)
+    saving.check_out(out)
+    saving.save(model, tok, out)
     cfg = model.cfg
     n = sum(p.numel() for p in model.parameters())
     print(

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import checkpoint
 import common
 import fsdp
+import saving
 from config import Config
 from data import STDLIB_CORPUS, corpus_id, prepare, streams_dir, tokens
 
@@ -154,7 +155,7 @@ def check_out(o):
         raise FileNotFoundError(
             f"--resume: no checkpoint in {o.out!r} to continue; drop --resume to start a run there"
         )
-    checkpoint.check_out(o.out)
+    saving.check_out(o.out)
     if not o.resume and not o.force and checkpoint.is_checkpoint(o.out):
         raise FileExistsError(
             f"{o.out!r} already holds a checkpoint: --resume continues it, --force "

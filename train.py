@@ -29,6 +29,7 @@ import config
 import distill
 import fsdp
 import runs
+import saving
 from data import STDLIB_CORPUS, get_batch
 from model import Transformer
 
@@ -124,7 +125,7 @@ def main(**flags):
     state = runs.check_out(o)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if int(os.environ.get("RANK", "0")) == 0:
-        o.lock = checkpoint.hold(o.out)  # held for the run's life: one run per --out
+        o.lock = saving.hold(o.out)  # held for the run's life: one run per --out
     # the corpus is encoded with the tokenizer of the model trained on (a new BPE for a new model)
     model_tok = init[1] if init else runs.saved_tokenizer(o.out) if o.resume else None
     run = runs.run_record(o, cfg, state, world, int(os.environ.get("RANK", "0")) == 0, model_tok)
@@ -344,7 +345,7 @@ def validate_and_save(o, job, step):
         train_tokens=len(job.train_data),
         init_from=o.init_from,
     )
-    checkpoint.save(
+    saving.save(
         whole,
         job.tok,
         o.out,

@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 import checkpoint
+import saving
 from config import Config
 from generate import generate
 from kvcache import KVCache
@@ -294,7 +295,7 @@ def test_out_through_a_link_into_the_embedded_models_is_refused(tmp_path):
     link.symlink_to(os.path.join(checkpoint.ROOT, "checkpoints"))
     for out in (link / "tiny-nosa", link / "new"):
         with pytest.raises(ValueError, match="training never writes into"):
-            checkpoint.check_out(str(out))
+            saving.check_out(str(out))
     assert not os.path.exists(os.path.join(checkpoint.ROOT, "checkpoints", "new"))
 
 
@@ -306,17 +307,17 @@ def test_a_save_recovers_what_a_killed_save_left(tmp_path, capsys):
     model = Transformer(Config.from_preset("tiny", n_layer=1, dim=32, hidden_dim=64))
     tok = checkpoint.byte_tokenizer()
     path = str(tmp_path / "run")
-    tmp, old = checkpoint.staging(path)
-    checkpoint.save(model, tok, path)
+    tmp, old = saving.staging(path)
+    saving.save(model, tok, path)
     os.rename(path, old)  # killed between the renames
     assert checkpoint.is_checkpoint(path) and checkpoint.load(path)
     assert os.path.isdir(old) and not os.path.exists(path)  # loading moved nothing
-    checkpoint.save(model, tok, path)
+    saving.save(model, tok, path)
     assert "the checkpoint a killed save had moved aside" in capsys.readouterr().err
     assert not os.path.exists(old) and checkpoint.load(path)
     shutil.copytree(path, old)  # killed after the second rename: both are there
     shutil.copytree(path, tmp)  # and another killed while writing
-    checkpoint.save(model, tok, path)
+    saving.save(model, tok, path)
     err = capsys.readouterr().err
     assert err.count("\n") == 2 and "removed" in err
     assert not os.path.exists(old) and not os.path.exists(tmp)
@@ -329,7 +330,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_checkpoint(tmp_path
     model = Transformer(Config.from_preset("tiny", n_layer=1, dim=32, hidden_dim=64))
     tok = checkpoint.byte_tokenizer()
     path = str(tmp_path / "run")
-    checkpoint.save(model, tok, path)
+    saving.save(model, tok, path)
     before = checkpoint.load(path)[0].state_dict()
 
     def full(*a, **kw):
@@ -337,16 +338,16 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_checkpoint(tmp_path
             "Error while serializing: IoError(Os { code: 28, kind: StorageFull })\nmore"
         )
 
-    monkeypatch.setattr(checkpoint, "save_file", full)
+    monkeypatch.setattr(saving, "save_file", full)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
     with pytest.raises(OSError) as e:
-        checkpoint.save(model, tok, path)
+        saving.save(model, tok, path)
     assert "\n" not in str(e.value) and "StorageFull" in str(e.value) and "intact" in str(e.value)
     after = checkpoint.load(path)[0].state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
-    assert not os.path.exists(checkpoint.staging(path)[0])
+    assert not os.path.exists(saving.staging(path)[0])
 
 
 @pytest.mark.parametrize(

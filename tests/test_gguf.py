@@ -12,6 +12,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 import checkpoint
 import import_gguf
+import saving
 from config import Config
 from model import Transformer
 
@@ -461,7 +462,7 @@ def test_a_dense_checkpoint_read_as_nosa_with_its_head_off(tmp_path, attn, hh_re
     cfg = Config.from_preset("tiny", n_layer=2, dim=64, hidden_dim=128, max_seq_len=512)
     dense = Transformer(cfg)
     path = str(tmp_path / "full")
-    checkpoint.save(dense, checkpoint.byte_tokenizer(), path)
+    saving.save(dense, checkpoint.byte_tokenizer(), path)
     over = dict(attn=attn, hh_recency=hh_recency, **sets)
     got = pretrained.load(path, over, True, "cpu")
     want = Transformer(replace(cfg, **over))

@@ -43,6 +43,7 @@ def test_fused_weights_keep_hugging_face_names(tmp_path):
     Hugging Face's names and load_state_dict joins them: a checkpoint round-trips bit for bit, and a
     state dict of the separate weights gives the same model."""
     import checkpoint
+    import saving
 
     model = make_model("nosa", torch.float64, vocab_size=256)  # the byte tokenizer's ids
     sd = model.state_dict()
@@ -54,7 +55,7 @@ def test_fused_weights_keep_hugging_face_names(tmp_path):
     idx = torch.randint(0, 97, (2, 120))
     with torch.no_grad():
         assert torch.equal(other(idx), model(idx))
-        checkpoint.save(model, checkpoint.byte_tokenizer(), str(tmp_path / "ck"))
+        saving.save(model, checkpoint.byte_tokenizer(), str(tmp_path / "ck"))
         loaded, _ = checkpoint.load(str(tmp_path / "ck"))
         assert all(torch.equal(sd[k], v) for k, v in loaded.state_dict().items())
 

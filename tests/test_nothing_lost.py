@@ -13,6 +13,7 @@ import checkpoint
 import console
 import generate
 import runs
+import saving
 import train
 from config import Config
 from model import Transformer
@@ -40,33 +41,33 @@ def test_loading_and_saving_leave_the_users_folders_alone(tmp_path, capsys):
     deletes none of them; a folder of theirs where a save stages is refused in one line."""
     model, tok = tiny(), checkpoint.byte_tokenizer()
     run = tmp_path / "run"
-    checkpoint.save(model, tok, str(run))
+    saving.save(model, tok, str(run))
     for name in ("run.old", "run.tmp", "proj.old"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "mine.txt").write_text("mine")
     assert checkpoint.is_checkpoint(str(run)) and checkpoint.load(str(run))
-    checkpoint.save(model, tok, str(run))
+    saving.save(model, tok, str(run))
     for name in ("run.old", "run.tmp", "proj.old"):
         assert (tmp_path / name / "mine.txt").read_text() == "mine"
     assert not (tmp_path / "proj").exists() and capsys.readouterr().err == ""
-    saving = tmp_path / ".run.saving"
-    saving.mkdir()
-    (saving / "mine.txt").write_text("mine")
+    staged = tmp_path / ".run.saving"
+    staged.mkdir()
+    (staged / "mine.txt").write_text("mine")
     with pytest.raises(FileExistsError, match="was not made by a save of this project"):
-        checkpoint.save(model, tok, str(run))
-    assert (saving / "mine.txt").read_text() == "mine" and checkpoint.load(str(run))
+        saving.save(model, tok, str(run))
+    assert (staged / "mine.txt").read_text() == "mine" and checkpoint.load(str(run))
 
 
 def test_force_never_deletes_a_users_lock_named_file(tmp_path):
     """--force replaces a checkpoint of ours, never a file of the user's inside it."""
     model, tok = tiny(), checkpoint.byte_tokenizer()
     out = tmp_path / "run"
-    checkpoint.save(model, tok, str(out))
+    saving.save(model, tok, str(out))
     (out / ".notes.lock").write_text("my notes")
     with pytest.raises(FileExistsError, match=".notes.lock"):
-        checkpoint.check_out(str(out))
+        saving.check_out(str(out))
     with pytest.raises(FileExistsError, match=".notes.lock"):
-        checkpoint.save(model, tok, str(out))
+        saving.save(model, tok, str(out))
     assert (out / ".notes.lock").read_text() == "my notes"
 
 
@@ -146,17 +147,17 @@ def test_out_through_a_symbolic_link(tmp_path):
     runs.check_options(o)
     assert o.out == str(real)
     for _ in range(2):
-        checkpoint.save(model, tok, o.out)
+        saving.save(model, tok, o.out)
     assert link.is_symlink() and checkpoint.is_checkpoint(str(link))
     assert not (tmp_path / "link.old").exists() and not (tmp_path / "link.tmp").exists()
-    lock = checkpoint.hold(o.out)
+    lock = saving.hold(o.out)
     o2 = train.Options(out=str(real), device="cpu")
     runs.check_options(o2)
     with pytest.raises(ValueError, match="another run"):
-        checkpoint.hold(o2.out)
+        saving.hold(o2.out)
     lock.close()
     with pytest.raises(ValueError, match="symbolic link"):
-        checkpoint.save(model, tok, str(link))  # a caller that did not resolve it is refused
+        saving.save(model, tok, str(link))  # a caller that did not resolve it is refused
 
 
 # -----------------------------------------------------------------------------
@@ -253,7 +254,7 @@ def test_a_chat_template_that_raises_anything_is_one_line():
 
 def test_numbers_in_a_config_file_are_checked_finite(tmp_path):
     path = tmp_path / "run"
-    checkpoint.save(tiny(), checkpoint.byte_tokenizer(), str(path))
+    saving.save(tiny(), checkpoint.byte_tokenizer(), str(path))
     cfg = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(
         json.dumps(cfg).replace('"rope_theta": 10000.0', '"rope_theta": NaN')
@@ -289,7 +290,7 @@ def test_bench_eviction_reads_a_checkpoint_whose_k_B_is_long(tmp_path):
 
     path = tmp_path / "long"
     cfg = Config.from_preset("tiny", n_layer=1, dim=32, hidden_dim=64, B=16, k=16, max_seq_len=256)
-    checkpoint.save(Transformer(cfg), checkpoint.byte_tokenizer(), str(path))
+    saving.save(Transformer(cfg), checkpoint.byte_tokenizer(), str(path))
     with pytest.raises(ValueError, match="no window is sparse"):
         bench_eviction(str(path), windows=1, T=100)
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import checkpoint
+import saving
 import train
 from tests.test_train import ROOT, run, small
 
@@ -24,6 +25,7 @@ def test_defaults_resolve_in_the_repository_and_never_overwrite(
     root, cwd = tmp_path / "repo", tmp_path / "elsewhere"
     cwd.mkdir()
     monkeypatch.setattr(checkpoint, "ROOT", str(root))
+    monkeypatch.setattr(saving, "EMBEDDED", str(root / "checkpoints"))
     monkeypatch.chdir(cwd)
     kw = dict(data=corpus, steps=2, eval_every=2, **run, **small)
     train.main(**kw)
@@ -48,8 +50,8 @@ def test_defaults_resolve_in_the_repository_and_never_overwrite(
 KILLER = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
-import checkpoint, train
-saves, real_save_file, real_rename = 0, checkpoint.save_file, os.rename
+import saving, train
+saves, real_save_file, real_rename = 0, saving.save_file, os.rename
 
 def save_file(*a, **kw):  # count saves; die right after writing the weights of the second one
     global saves
@@ -63,7 +65,7 @@ def rename(src, dst):  # or die between the two renames that put the second one 
     if saves == 2 and {where!r} == "swap":
         os.kill(os.getpid(), signal.SIGKILL)
 
-checkpoint.save_file, os.rename = save_file, rename
+saving.save_file, os.rename = save_file, rename
 train.main(**{kw!r})
 """
 
@@ -124,7 +126,7 @@ def test_out_never_replaces_what_is_not_ours(corpus, tmp_path):
     )
     # save itself refuses too
     with pytest.raises(FileExistsError, match="not a checkpoint of ours: not replaced"):
-        checkpoint.save(
+        saving.save(
             train.Transformer(checkpoint.load(str(runs / "a"))[0].cfg),
             checkpoint.byte_tokenizer(),
             str(runs / "a"),
@@ -207,7 +209,7 @@ def test_one_run_per_output_directory(corpus, tmp_path, monkeypatch):
     cannot rename a directory over it) is refused before the first step."""
     kw = dict(data=corpus, data_dir=str(tmp_path / "data"), steps=2, eval_every=2, **run, **small)
     out = str(tmp_path / "ck")
-    first = checkpoint.hold(out)  # a run writing there
+    first = saving.hold(out)  # a run writing there
     with pytest.raises(ValueError, match=f"another run \\(process {os.getpid()}\\) is writing"):
         train.main(out=out, **kw)
     first.close()
