@@ -86,21 +86,29 @@ def plot_requests(plt):
 
 
 def plot_arrivals(
-    plt, names=("arrivals_8b_128k_16.json", "arrivals_8b_128k.json", "arrivals_8b_32k.json")
+    plt,
+    names=(
+        "arrivals_8b_128k_32.json",
+        "arrivals_8b_128k_16.json",
+        "arrivals_8b_128k.json",
+        "arrivals_8b_32k.json",
+    ),
 ):
     """Requests arriving over time (python -m bench arrivals ... --add-to): time to first token
     (median) and time between tokens (p99) against the request rate, per system, with the targets
     that define a capacity; a row of panels a workload (the files that exist of `names`)."""
     files = [n for n in names if os.path.exists(os.path.join(RESULTS, n))]
     fig, axes = plt.subplots(len(files), 2, figsize=(9, 3.4 * len(files)), squeeze=False)
+    systems = sorted({r["system"] for n in files for r in load(n)["runs"]})  # a colour each
     for row, name in zip(axes, files):
         runs = load(name)
         served = [r for r in runs["runs"] if r["rate"]]
-        for j, system in enumerate(dict.fromkeys(r["system"] for r in served)):
+        for system in dict.fromkeys(r["system"] for r in served):
             rs = sorted((r for r in served if r["system"] == system), key=lambda r: r["rate"])
+            color, label = f"C{systems.index(system)}", f"{system} (batch {rs[0]['batch']})"
             for ax, key in zip(row, ("ttft_median_s", "tbt_p99_s")):
                 x, y = [r["rate"] for r in rs], [r[key] for r in rs]
-                ax.plot(x, y, "o-", color=f"C{j}", label=f"{system} (batch {rs[0]['batch']})")
+                ax.plot(x, y, "o-", color=color, label=label)
         target = runs["capacity"][0] if runs["capacity"] else {}
         for ax, what, key in (
             (row[0], "time to first token, median", "ttft_target_s"),
@@ -112,7 +120,7 @@ def plot_arrivals(
                 )
             ax.set(xscale="log", yscale="log", xlabel="requests a second (Poisson)", ylabel="s")
             lo, hi = min(r["rate"] for r in served), max(r["rate"] for r in served)
-            ticks = [t for t in (0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 4, 10) if lo <= t <= hi]
+            ticks = [t for t in (0.02, 0.05, 0.1, 0.2, 0.4, 1, 2, 4, 10) if lo <= t <= hi]
             ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
             ax.xaxis.set_minor_formatter(plt.NullFormatter())
             ax.set_title(f"{runs.get('workload', name)}:\n{what}", fontsize=9)
