@@ -8,7 +8,9 @@ capacity: the largest rate whose p99 time between tokens and median time to firs
 within the targets; the rates run in ascending order, and a system's sweep stops at its first miss
 (a higher rate only queues longer). Where no rate misses, the workload ended before a queue grew
 (`bounded` false): the capacity lies higher, and the requests completed a second at the highest
-rate (`requests_s`) say what the system sustains if it was saturated there."""
+rate (`requests_s`) say what the system sustains if it was saturated there. That figure counts
+the batch filling at the start and draining at the end; `requests_s_saturated` counts only the
+span where every row was busy and a request waited (more requests than the batch, all arrived)."""
 
 import contextlib
 import json
@@ -138,7 +140,7 @@ def bench_arrivals(
                 lengths=lengths,
             )  # fmt: skip
             row = dict(system=label, rate=rate, batch=Bz, requests=requests)
-            rows.append(row | served_at_rate(serve_, reqs, cfg.n_layer, max_stall, tbt_target))
+            rows.append(row | served_at_rate(serve_, reqs, cfg.n_layer, max_stall, tbt_target, Bz))
             print(rows[-1], flush=True)
             if add_to:  # each rate kept as it ends (a call may be cut off by its time limit)
                 join_sweep(add_to, sweep, earlier, rows, requests, tbt_target, ttft_target)
@@ -225,7 +227,21 @@ def kilo(n):
     return f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
 
-def served_at_rate(serve_, reqs, n_layer, max_stall, tbt_target=0.2):
+def saturated_rate(arrivals, ends, batch):
+    """Requests completed a second while the system was saturated, or None: from the first
+    completion after the last arrival to the completion that leaves `batch` requests unfinished.
+    In between every row is busy and a request waits, so no drain at the end and no filling at
+    the start enters (requests_s counts both)."""
+    ends = sorted(ends)
+    if len(ends) <= batch:
+        return None
+    start = next((e for e in ends if e >= max(arrivals)), None)
+    end = ends[len(ends) - batch - 1]
+    done = sum(start < e <= end for e in ends) if start is not None else 0
+    return round(done / (end - start), 4) if done >= 2 else None
+
+
+def served_at_rate(serve_, reqs, n_layer, max_stall, tbt_target=0.2, batch=None):
     """One run of arriving requests: the spreads of times to first token and between tokens, output
     tokens/s, a step alone and beside a prefill (the speed it keeps), where the longest gaps between
     tokens come from (the slowest of each part of serving's loop, serve.serve's timings, and the
@@ -247,6 +263,9 @@ def served_at_rate(serve_, reqs, n_layer, max_stall, tbt_target=0.2):
     row["output_tokens_s"] = round(sum(len(r.out) for r in reqs) / total, 1)
     # requests completed a second over the span: what a system sustains where it was saturated
     row["requests_s"] = round(len(reqs) / total, 4)
+    ends = [r.arrival + r.t_end for r in reqs]
+    row["requests_s_saturated"] = batch and saturated_rate([r.arrival for r in reqs], ends, batch)
+    row["ends_s"] = [round(e, 1) for e in sorted(ends)]
     alone, beside = step_budget.kept() or (float("nan"),) * 2
     row.update(step_alone_ms=round(1e3 * alone, 2), step_beside_ms=round(1e3 * beside, 2))
     row["speed_kept"] = round(alone / beside, 3)

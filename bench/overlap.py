@@ -59,6 +59,18 @@ def split_timeline(kernels, gathers_a_step):
     )
 
 
+def by_kernel(kernels, steps, top):
+    """The `top` kernels by time on the device a step: (ms a step, launches a step, name), names
+    cut at their first '(' or 60 characters. Which kernels a step's compute is made of."""
+    total, count = {}, {}
+    for name, a, b in kernels:
+        name = name.split("(")[0][:60]
+        total[name] = total.get(name, 0.0) + (b - a)
+        count[name] = count.get(name, 0) + 1
+    rows = sorted(total, key=total.get, reverse=True)[:top]
+    return [(round(total[n] / steps / 1e3, 3), round(count[n] / steps, 1), n) for n in rows]
+
+
 @contextlib.contextmanager
 def gathers(on):
     """Steps with their gathers, or without (the blocks stay as they are: timing only, the logits
@@ -101,13 +113,13 @@ def beside_ctas(n):
 
 
 def bench_overlap(
-    shape="8b", prompt_len=131072, *, batch=26, micro_batches=(1, 2), ctas=(0,), steps=24
+    shape="8b", prompt_len=131072, *, batch=26, micro_batches=(1, 2), ctas=(0,), steps=24, kernels=0
 ):
     """The graphed decode step of `batch` random prompts of prompt_len (random weights, an offloaded
     cache in the host memory there is) with each number of micro-batches, with and without its
     gathers, and with more than one also in turns (fast.Turns) on each number of the gather's thread
     blocks in ctas (0: as landed): ms a step (the mean of `steps` replays), and with gathers the
-    split of a trace of 4 more."""
+    split of a trace of 4 more; with kernels > 0 also that many kernels by their time a step."""
     bench.need_gpu("overlap")
     preset, over = SHAPES[shape]
     runs = [(mb, False, on, 0) for mb in micro_batches for on in (True, False)]
@@ -138,13 +150,17 @@ def bench_overlap(
                     tok = decode(tok)
                 torch.cuda.synchronize()
                 ms = (time.perf_counter() - t0) * 1e3 / steps
-                tok, kernels = traced(decode, tok, 4)
+                tok, trace = traced(decode, tok, 4)
             row = dict(micro_batches=mb, in_turns=in_turns, ctas=n or None, gathers=on)
             row.update(step_ms=round(ms, 2))
-            split = {} if not on else split_timeline(kernels, cfg.n_layer * mb)
+            split = {} if not on else split_timeline(trace, cfg.n_layer * mb)
             row.update({f"traced_{k}": v for k, v in split.items()})
             row.update(tokens_s=round(batch / ms * 1e3, 1))
             print(row, flush=True)
+            if kernels:
+                row["kernels"] = by_kernel(trace, 4, kernels)
+                for ms_a_step, launches, name in row["kernels"]:
+                    print(f"  {ms_a_step:8.3f} ms {launches:7.1f}x  {name}")
             rows.append(row)
     return rows
 
@@ -163,6 +179,11 @@ def flags(p):
         help="thread blocks of the gather beside a micro-batch's compute, in turns (default: as landed)",
     )
     p.add_argument("--steps", type=bench.at_least_one, help="timed steps (default: %(default)s)")
+    p.add_argument(
+        "--kernels",
+        type=bench.at_least_one,
+        help="also print this many kernels by their time a step (default: none)",
+    )
 
 
 COMMANDS = {"overlap": (bench_overlap, flags)}

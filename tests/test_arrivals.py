@@ -35,6 +35,44 @@ def test_arriving_workload_and_its_bench_small():
         assert c["bounded"] == missed and ("more --requests" in c["targets"]) != missed
         assert c["requests_s_at_highest"] == pytest.approx(4 / mine[-1]["total_s"], rel=1e-2)
     assert all(r["compiles"] == 0 for r in tables["runs"])  # the warm-up compiled what serving ran
+    assert all(len(r["ends_s"]) == 4 and r["ends_s"] == sorted(r["ends_s"]) for r in tables["runs"])
+
+
+def fifo(arrivals, durations, batch):
+    """Completion times of requests served first come, first served by `batch` rows."""
+    free, ends = [0.0] * batch, []
+    for a, d in zip(arrivals, durations):
+        row = min(range(batch), key=free.__getitem__)
+        free[row] = max(free[row], a) + d
+        ends.append(free[row])
+    return ends
+
+
+def test_the_saturated_rate_leaves_out_filling_and_draining():
+    """bench arrivals' requests_s_saturated: with equal service times D at `batch` rows it is
+    batch / D exactly, however long the drain; with random ones every instant of its window has
+    more than `batch` requests arrived and unfinished (saturated), and it counts the completions
+    inside the window."""
+    from bench.arrivals import saturated_rate
+
+    ends = fifo([0.0] * 20, [3.0] * 19 + [500.0], 4)  # the last request's long drain
+    assert saturated_rate([0.0] * 20, ends, 4) == pytest.approx(4 / 3.0, abs=1e-4)
+    assert 20 / max(ends) < 0.1  # what requests_s says of the same run
+    assert saturated_rate([0.0] * 4, fifo([0.0] * 4, [1.0] * 4, 4), 4) is None  # never queued
+    rng = random.Random(0)
+    for _ in range(200):
+        n, batch = rng.randint(2, 30), rng.randint(1, 6)
+        arrivals = sorted(rng.uniform(0, 10) * rng.random() for _ in range(n))
+        ends = fifo(arrivals, [rng.uniform(0.5, 8) for _ in range(n)], batch)
+        got = saturated_rate(arrivals, ends, batch)
+        if got is None:
+            continue
+        s = sorted(ends)
+        lo = next(e for e in s if e >= max(arrivals))
+        hi = s[n - batch - 1]
+        for t in (lo + (hi - lo) * i / 50 for i in range(50)):
+            assert sum(a <= t < e for a, e in zip(arrivals, ends)) > batch, (t, lo, hi)
+        assert got == pytest.approx(sum(lo < e <= hi for e in ends) / (hi - lo), abs=1e-4)
 
 
 def test_a_sweep_over_calls_joins_one_results_file(tmp_path, monkeypatch):

@@ -250,6 +250,17 @@ def test_the_overlap_split_of_a_timeline_against_a_slow_reference():
         assert got == want, (got, want)
 
 
+def test_the_overlap_kernel_table_sums_each_kernel_a_step():
+    """bench overlap --kernels: the kernels by their time a step, names cut at '(' (one kernel's
+    instances of several signatures count together), the largest first."""
+    from bench.overlap import by_kernel
+
+    trace = [("mm(a)", 0, 3000), ("mm(b)", 5000, 6000), ("top_k", 3000, 3500), ("gather", 0, 500)]
+    trace += [("gather", 600, 1100), ("top_k", 7000, 7100)]
+    assert by_kernel(trace, 2, 2) == [(2.0, 1.0, "mm"), (0.5, 1.0, "gather")]
+    assert by_kernel(trace, 1, 9)[-1] == (0.6, 2.0, "top_k")
+
+
 def test_every_bench_command_in_the_documents_parses():
     """Each `python -m bench ...` line of README.md, BENCHMARKS.md and bench/__init__.py names a
     benchmark and flags it reads (the parser refuses any other), with the shell variables the
