@@ -12,8 +12,10 @@ rate (`requests_s`) say what the system sustains if it was saturated there. That
 the batch filling at the start and draining at the end; `requests_s_saturated` counts only the
 span where every row was busy and a request waited (more requests than the batch, all arrived)."""
 
+import argparse
 import contextlib
 import json
+import math
 import os
 import resource
 import statistics
@@ -81,7 +83,8 @@ def bench_arrivals(
     tbt_target=0.2, ttft_target=30.0, max_stall=2.0, seed=0, add_to=None,
 ):  # fmt: skip
     """Requests arriving over time, served by continuous batching (the module's docstring): per
-    system and rate, times to first token and between tokens, and each system's capacity. With
+    system and rate, times to first token and between tokens, and each system's capacity;
+    max_stall: how many times a step alone a step beside a prefill may take (serve.Budget). With
     add_to, a results file of the same sweep (workload, targets, GPU), the rows join the file's (a
     system's row at a rate replaced), the capacities are taken over all of them, and the file is
     rewritten: one sweep over several calls."""
@@ -98,6 +101,8 @@ def bench_arrivals(
            f"{kilo(prompt_lens[0])}-{kilo(prompt_lens[1])} + {g} tokens"),
         targets=[tbt_target, ttft_target],
     )  # fmt: skip
+    if max_stall != 2.0:  # (files of the default carry no key)
+        sweep["max_stall"] = max_stall
     add_to = add_to and os.path.realpath(add_to)  # (resolved once)
     inputs = {os.path.realpath(lengths_from)} if lengths_from else set()
     earlier = read_sweep(add_to, sweep, inputs) if add_to else []  # (before any work)
@@ -315,6 +320,17 @@ def compiles():
         out.extend(["torch.compile graph"] * (counters["stats"]["unique_graphs"] - graphs))
 
 
+def stall(text):
+    """An argparse type: a finite number >= 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 1):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a finite number, at least 1 (e.g. 2)")
+    return value
+
+
 def flags(p):
     p.add_argument(
         "--shape", choices=sorted(bench.SHAPES), help="model shape (default: %(default)s)"
@@ -348,6 +364,12 @@ def flags(p):
     )
     p.add_argument(
         "--ttft-target", type=bench.gib, help="median time to first token, s (default: %(default)s)"
+    )
+    p.add_argument(
+        "--max-stall",
+        type=stall,
+        help="a step beside a prefill takes at most this many times a step alone; more gives the "
+        "prefills more of the GPU (default: %(default)s, keeping half a step's speed)",
     )
     p.add_argument(
         "--add-to",

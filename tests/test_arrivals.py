@@ -87,6 +87,7 @@ def test_a_sweep_over_calls_joins_one_results_file(tmp_path, monkeypatch):
     kw = dict(
         shape="tiny", prompt_lens=(40, 120), max_new_tokens=(4, 8), requests=4, gpu_budget=1.0
     )
+    kw |= dict(tbt_target=60.0, ttft_target=600.0)  # no miss ends a sweep on a slow, busy CPU
     bench_arrivals(rates=(50.0,), systems=("nosa-offload",), add_to=f, **kw)
     out = bench_arrivals(rates=(50.0, 100.0), add_to=f, **kw)  # both systems, 50/s again
     held = json.load(open(f))
@@ -106,9 +107,11 @@ def test_a_sweep_over_calls_joins_one_results_file(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="holds the workload .* one file holds one sweep"):
         bench_arrivals(rates=(50.0,), add_to=f, **(kw | dict(requests=5)))
     with pytest.raises(
-        ValueError, match=r"holds the targets \[0.2, 30.0\], this run has \[0.5, 30.0\]"
+        ValueError, match=r"holds the targets \[60.0, 600.0\], this run has \[0.5, 600.0\]"
     ):
-        bench_arrivals(rates=(50.0,), add_to=f, tbt_target=0.5, **kw)
+        bench_arrivals(rates=(50.0,), add_to=f, **(kw | dict(tbt_target=0.5)))
+    with pytest.raises(ValueError, match=r"holds the max_stall None, this run has 4.0"):
+        bench_arrivals(rates=(50.0,), add_to=f, max_stall=4.0, **kw)
     (tmp_path / "other.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match="not a results file of bench arrivals"):
         bench_arrivals(rates=(50.0,), add_to=str(tmp_path / "other.json"), **kw)

@@ -139,6 +139,10 @@ def test_distances_flag():
         (["quality", "--max-new-tokens", "-5"], "--max-new-tokens: '-5': give a whole number"),
         (["throughput", "--prompt-len", "0"], "--prompt-len: '0'"),
         (["arrivals", "--prompt-lens", "9:3"], "--prompt-lens: '9:3': give LO:HI"),
+        (
+            ["arrivals", "--max-stall", "0.5"],
+            "--max-stall: '0.5': give a finite number, at least 1",
+        ),
         (["throughput", "--shape", "8b", "--gpu-budget", "1"], "its weights take"),
         (["requests", "--shape", "8b", "--gpu-budget", "0.5"], "its weights take"),
         (["throughput", "--json", "DIR", "--gpu-budget", "0.02"], "is a directory"),
