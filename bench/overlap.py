@@ -118,12 +118,15 @@ def bench_overlap(
     """The graphed decode step of `batch` random prompts of prompt_len (random weights, an offloaded
     cache in the host memory there is) with each number of micro-batches, with and without its
     gathers, and with more than one also in turns (fast.Turns) on each number of the gather's thread
-    blocks in ctas (0: as landed): ms a step (the mean of `steps` replays), and with gathers the
+    blocks in ctas (0: as landed), and in turns without gathers: ms a step (the mean of `steps` replays), and with gathers the
     split of a trace of 4 more; with kernels > 0 also that many kernels by their time a step."""
     bench.need_gpu("overlap")
     preset, over = SHAPES[shape]
     runs = [(mb, False, on, 0) for mb in micro_batches for on in (True, False)]
     runs += [(mb, True, True, n) for mb in micro_batches if mb > 1 for n in ctas]
+    # in turns without gathers: what computing one part at a time costs, apart from the gather's
+    # interference with the compute beside it
+    runs += [(mb, True, False, 0) for mb in micro_batches if mb > 1]
     max_len = prompt_len + (steps + 8) * len(runs) + 64
     cfg = Config.from_preset(preset, **over, attn="nosa", max_seq_len=max_len)
     torch.manual_seed(0)
