@@ -117,15 +117,24 @@ def at_least_one(text):
     return value
 
 
-def gib(text):
-    """An argparse type: a positive, finite number of GiB."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"{text!r}: give a positive, finite number of GiB")
-    return value
+def finite(what, least=0.0, strict=True):
+    """An argparse type: a finite number above `least` (or at least `least` where not strict); its
+    error says 'give {what}'."""
+
+    def parse(text):
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and (value > least if strict else value >= least)):
+            raise argparse.ArgumentTypeError(f"{text!r}: give {what}")
+        return value
+
+    return parse
+
+
+gib = finite("a positive, finite number of GiB")
+seconds = finite("a positive, finite number of seconds")
 
 
 def comma_separated(cast, what):

@@ -12,10 +12,8 @@ rate (`requests_s`) say what the system sustains if it was saturated there. That
 the batch filling at the start and draining at the end; `requests_s_saturated` counts only the
 span where every row was busy and a request waited (more requests than the batch, all arrived)."""
 
-import argparse
 import contextlib
 import json
-import math
 import os
 import resource
 import statistics
@@ -320,17 +318,6 @@ def compiles():
         out.extend(["torch.compile graph"] * (counters["stats"]["unique_graphs"] - graphs))
 
 
-def stall(text):
-    """An argparse type: a finite number >= 1."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value >= 1):
-        raise argparse.ArgumentTypeError(f"{text!r}: give a finite number, at least 1 (e.g. 2)")
-    return value
-
-
 def flags(p):
     p.add_argument(
         "--shape", choices=sorted(bench.SHAPES), help="model shape (default: %(default)s)"
@@ -360,14 +347,16 @@ def flags(p):
     bench.add_budgets(p)
     bench.add_systems(p, bench.SYSTEMS)
     p.add_argument(
-        "--tbt-target", type=bench.gib, help="p99 time between tokens, s (default: %(default)s)"
+        "--tbt-target", type=bench.seconds, help="p99 time between tokens, s (default: %(default)s)"
     )
     p.add_argument(
-        "--ttft-target", type=bench.gib, help="median time to first token, s (default: %(default)s)"
+        "--ttft-target",
+        type=bench.seconds,
+        help="median time to first token, s (default: %(default)s)",
     )
     p.add_argument(
         "--max-stall",
-        type=stall,
+        type=bench.finite("a finite number, at least 1 (e.g. 2)", least=1.0, strict=False),
         help="a step beside a prefill takes at most this many times a step alone; more gives the "
         "prefills more of the GPU (default: %(default)s, keeping half a step's speed)",
     )
